@@ -1,0 +1,48 @@
+"""Held-out fit quality per late layer: how close predicted inputs, and the K/V they write, come to
+the exact ones, for the ridge maps and for identity fill (h_l = h_S) on the same rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ridgefill.adapters import adapter_for
+from ridgefill.capture import _layer_inputs
+
+
+def _rel(pred: Tensor, true: Tensor) -> float:
+    return float((pred - true).norm() / true.norm())
+
+
+def _cos(pred: Tensor, true: Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(pred.flatten(1), true.flatten(1), dim=-1).mean())
+
+
+@torch.inference_mode()
+def heldout_metrics(
+    model: nn.Module, windows: Tensor, split: int, maps: dict[int, tuple[Tensor, Tensor]], sink_skip: int = 4
+) -> dict[int, dict[str, dict[str, float]]]:
+    """{layer: {"ridge"|"identity": {h_rel, h_cos, k_rel, k_cos, v_rel, v_cos}}}, averaged over windows."""
+    ad = adapter_for(model)
+    device = next(model.parameters()).device
+    sums: dict[int, dict[str, dict[str, float]]] = {}
+    for i in range(windows.shape[0]):
+        ids = windows[i : i + 1].to(device)
+        inputs = _layer_inputs(model, ids, set(range(split, ad.num_layers)))
+        pos = torch.arange(sink_skip, ids.shape[1], device=device)
+        x = inputs[split][sink_skip:]
+        cos, sin = ad.rotary(x[None], pos)
+        for l, (w, b) in maps.items():
+            layer, true = ad.layers[l], inputs[l][sink_skip:]
+            k_true, v_true = ad.write_kv(layer, true[None], cos, sin)
+            for name, pred in (("ridge", x @ w.to(x) + b.to(x)), ("identity", x)):
+                k, v = ad.write_kv(layer, pred[None], cos, sin)
+                row = {
+                    "h_rel": _rel(pred, true), "h_cos": _cos(pred, true),
+                    "k_rel": _rel(k, k_true), "k_cos": _cos(k.transpose(1, 2)[0], k_true.transpose(1, 2)[0]),
+                    "v_rel": _rel(v, v_true), "v_cos": _cos(v.transpose(1, 2)[0], v_true.transpose(1, 2)[0]),
+                }
+                acc = sums.setdefault(l, {}).setdefault(name, {})
+                for key, val in row.items():
+                    acc[key] = acc.get(key, 0.0) + val / windows.shape[0]
+    return sums

@@ -1,0 +1,104 @@
+"""The method's steps as plain functions: load a model, capture, fit a map folder.
+
+The CLI and the Prefect tasks call these; nothing here knows about either.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ridgefill import corpus as corpus_mod
+from ridgefill.capture import Capture, capture, load_capture
+from ridgefill.default_model import cache_root, default_model_dir
+from ridgefill.fingerprint import fingerprint, fingerprint_key
+from ridgefill.fit import RidgeSolver
+from ridgefill.heldout import heldout_metrics
+from ridgefill.maps import write_maps
+from ridgefill.scores import rarity
+
+log = logging.getLogger(__name__)
+DEFAULT = "default"
+
+
+def load_model(
+    model: str | Path = DEFAULT, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, object]:
+    """A causal LM and its tokenizer; `default` is the embedded SmolLM2-135M-Instruct."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_dir() if str(model) == DEFAULT else model
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    lm = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+    )
+    return lm.to(device).eval(), tok
+
+
+def calibration_windows(
+    tokenizer, source: str | list[str], window: int, max_windows: int, heldout: int
+) -> tuple[Tensor, Tensor, str]:
+    """(calibration windows, held-out windows, corpus sha256); the held-out ones come last in the stream."""
+    corpus = corpus_mod.load_corpus(source)
+    wins = corpus_mod.windows(corpus_mod.token_stream(corpus, tokenizer), window)
+    if wins.shape[0] <= heldout:
+        raise ValueError(f"the corpus gives {wins.shape[0]} windows of {window}; need more than {heldout} held out")
+    cal, held = wins[: wins.shape[0] - heldout], wins[wins.shape[0] - heldout :]
+    return cal[:max_windows], held, corpus.sha256
+
+
+def capture_dir(root: Path, fp_key: str, corpus_sha: str, window: int) -> Path:
+    """Captures are keyed by model fingerprint + corpus hash (+ window); each split is a file inside."""
+    return Path(root) / "captures" / f"{fp_key}-{corpus_sha[:16]}-w{window}"
+
+
+def run_capture(
+    model: nn.Module, tokenizer, source: str | list[str], splits: list[int], *, window: int = 512,
+    max_windows: int = 128, heldout: int = 4, root: Path | None = None, checkpoint_every: int = 16,
+    sink_skip: int = 4, stride: int = 1, progress: bool = True,
+) -> Capture:
+    """Capture statistics for `splits`, reusing a finished capture and resuming a partial one."""
+    cal, _, corpus_sha = calibration_windows(tokenizer, source, window, max_windows, heldout)
+    key = fingerprint_key(fingerprint(model, tokenizer, splits[0]))
+    out = capture_dir(root or cache_root(), key, corpus_sha, window) / f"n{cal.shape[0]}-s{sink_skip}-r{stride}"
+    meta = {"corpus_sha256": corpus_sha, "source": source if isinstance(source, str) else [str(s) for s in source], "fingerprint_key": key, "heldout": heldout,
+            "max_windows": max_windows}
+    if (out / "capture.json").is_file():
+        done = load_capture(out)
+        if done.meta.get("windows_done") == cal.shape[0] and set(splits) <= set(done.splits):
+            return done
+        if set(splits) != set(done.meta["splits"]):
+            out = out.with_name(out.name + "-S" + "_".join(map(str, sorted(splits))))
+    return capture(model, cal, splits, out, sink_skip=sink_skip, stride=stride,
+                   checkpoint_every=checkpoint_every, meta=meta, progress=progress)
+
+
+def build_maps(
+    model: nn.Module, tokenizer, cap: Capture, split: int, lam: float, out: Path, *, heldout_windows: int = 4,
+    kind: str = "ridge", dtype: torch.dtype = torch.float32, defaults: dict | None = None,
+    solver: RidgeSolver | None = None,
+) -> Path:
+    """Fit (or, for kind='identity', skip fitting), measure on held-out windows and write a map folder."""
+    solver = solver or RidgeSolver.from_stats(cap.stats(split))
+    maps = solver.solve(lam)
+    _, held, corpus_sha = calibration_windows(
+        tokenizer, cap.meta["source"], cap.meta["window"], cap.meta["max_windows"], cap.meta["heldout"],
+    )
+    held = held[:heldout_windows]
+    if corpus_sha != cap.meta["corpus_sha256"]:
+        raise ValueError("the calibration corpus changed since this capture was taken")
+    metrics = heldout_metrics(model, held, split, {l: (w.float(), b.float()) for l, (w, b) in maps.items()})
+    fit = {
+        "corpus_sha256": corpus_sha, "source": cap.meta["source"], "tokens": cap.meta["windows_done"] * cap.meta["window"],
+        "rows": solver.count, "window": cap.meta["window"], "heldout_windows": int(held.shape[0]),
+        "absolute_lambda": solver.absolute_lambda(lam), "heldout": {str(l): m for l, m in metrics.items()},
+    }
+    weights = {} if kind == "identity" else {l: (w.float(), b.float()) for l, (w, b) in maps.items()}
+    return write_maps(out, weights, fingerprint(model, tokenizer, split), split, kind=kind,
+                      lam=None if kind == "identity" else lam, fit=fit, scores=rarity(cap.token_counts()),
+                      dtype=dtype, defaults=defaults)
+
