@@ -61,8 +61,14 @@ class SplitStats:
     @classmethod
     def from_tensors(cls, split: int, t: dict[str, Tensor]) -> SplitStats:
         late = sorted(int(k.split(".")[1]) for k in t if k.startswith("xy."))
-        return cls(split, int(t["count"][0]), t["x_sum"], t["xx"], {l: t[f"y_sum.{l}"] for l in late},
-                   {l: t[f"xy.{l}"] for l in late})
+        return cls(
+            split,
+            int(t["count"][0]),
+            t["x_sum"],
+            t["xx"],
+            {l: t[f"y_sum.{l}"] for l in late},
+            {l: t[f"xy.{l}"] for l in late},
+        )
 
 
 def split_file(split: int) -> str:
@@ -145,21 +151,23 @@ def capture(
     stride: int = 1,
     checkpoint_every: int = 16,
     meta: dict | None = None,
-    stop_after: int | None = None,
     progress: bool = True,
 ) -> Capture:
-    """Accumulate statistics for every split over `windows` [count, length], resuming from `out`.
-
-    `stop_after` ends early after that many windows in this call (used to test resumption).
-    """
+    """Accumulate statistics for every split over `windows` [count, length], resuming from `out`."""
     out = Path(out)
     num_layers = model.config.num_hidden_layers
     splits = sorted(set(splits))
     if not splits or splits[0] < 1 or splits[-1] >= num_layers - 1:
         raise ValueError(f"splits must lie in 1..{num_layers - 2}, got {splits}")
     d, vocab = model.config.hidden_size, model.config.vocab_size
-    base_meta = {**(meta or {}), "splits": splits, "sink_skip": sink_skip, "stride": stride,
-                 "window": int(windows.shape[1]), "windows_total": int(windows.shape[0])}
+    base_meta = {
+        **(meta or {}),
+        "splits": splits,
+        "sink_skip": sink_skip,
+        "stride": stride,
+        "window": int(windows.shape[1]),
+        "windows_total": int(windows.shape[0]),
+    }
     done = 0
     if (out / META).is_file():
         prev = json.loads((out / META).read_text())
@@ -174,10 +182,14 @@ def capture(
         token_counts = torch.zeros(vocab, dtype=torch.int64)
     wanted = set(range(splits[0], num_layers))
     device = next(model.parameters()).device
-    todo = range(done, windows.shape[0])
-    if stop_after is not None:
-        todo = todo[:stop_after]
-    for i in tqdm(todo, desc="capture", unit="win", disable=not progress, initial=done, total=windows.shape[0]):
+    for i in tqdm(
+        range(done, windows.shape[0]),
+        desc="capture",
+        unit="win",
+        disable=not progress,
+        initial=done,
+        total=windows.shape[0],
+    ):
         ids = windows[i : i + 1].to(device)
         token_counts += torch.bincount(windows[i], minlength=vocab)[:vocab]
         inputs = _layer_inputs(model, ids, wanted)
@@ -185,7 +197,7 @@ def capture(
         for s, st in stats.items():
             st.add(inputs[s][rows].cpu(), {l: inputs[l][rows].cpu() for l in st.xy})
         done = i + 1
-        if done % checkpoint_every == 0 or done == windows.shape[0]:
+        if done % checkpoint_every == 0:
             _save(out, stats, token_counts, {**base_meta, "windows_done": done})
     _save(out, stats, token_counts, {**base_meta, "windows_done": done})
     return Capture(out, {**base_meta, "windows_done": done})

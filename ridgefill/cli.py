@@ -41,8 +41,17 @@ def capture(
 ) -> None:
     """Stream calibration text through the model and save ridge statistics for each split."""
     lm, tok = steps.load_model(model)
-    cap = steps.run_capture(lm, tok, _source(source), splits, window=window, max_windows=max_windows,
-                            heldout=heldout, root=root, checkpoint_every=checkpoint_every)
+    cap = steps.run_capture(
+        lm,
+        tok,
+        _source(source),
+        splits,
+        window=window,
+        max_windows=max_windows,
+        heldout=heldout,
+        root=root,
+        checkpoint_every=checkpoint_every,
+    )
     typer.echo(f"capture: {cap.path} ({cap.meta['windows_done']} windows, splits {cap.splits})")
 
 
@@ -62,9 +71,16 @@ def fit(
     from ridgefill.capture import load_capture
 
     lm, tok = steps.load_model(model)
-    path = steps.build_maps(lm, tok, load_capture(capture_dir), split, lam, out,
-                            kind="identity" if identity else "ridge",
-                            defaults={"tail": tail, "sink": sink, "share": share})
+    path = steps.build_maps(
+        lm,
+        tok,
+        load_capture(capture_dir),
+        split,
+        lam,
+        out,
+        kind="identity" if identity else "ridge",
+        defaults={"tail": tail, "sink": sink, "share": share},
+    )
     typer.echo(f"maps: {path}")
     _print_table(json.loads((path / "ridgefill.json").read_text()))
 
@@ -93,11 +109,18 @@ def generate(
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
     d = ms.manifest["defaults"] if ms else {"tail": 256, "sink": 4, "share": 0.0}
-    plan = FillPlan(mode, split or (ms.split if ms else 0), ms, sink if sink is not None else d["sink"],
-                    tail or d["tail"], share if share is not None else d["share"])
+    plan = FillPlan(
+        mode,
+        split or (ms.split if ms else 0),
+        ms,
+        sink if sink is not None else d["sink"],
+        tail or d["tail"],
+        share if share is not None else d["share"],
+    )
     if chat and tok.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
     else:
         ids = tok(text, return_tensors="pt")["input_ids"]
     t = time.perf_counter()
@@ -125,8 +148,10 @@ def _print_table(manifest: dict) -> None:
     typer.echo(f"{'layer':>5} | {'h rel r/i':>13} | {'K rel r/i':>13} | {'V rel r/i':>13} | {'K cos r/i':>13}")
     for layer, m in sorted(rows.items(), key=lambda kv: int(kv[0])):
         r, i = m["ridge"], m["identity"]
-        typer.echo(f"{layer:>5} | {r['h_rel']:.3f}/{i['h_rel']:.3f} | {r['k_rel']:.3f}/{i['k_rel']:.3f} | "
-                   f"{r['v_rel']:.3f}/{i['v_rel']:.3f} | {r['k_cos']:.3f}/{i['k_cos']:.3f}")
+        typer.echo(
+            f"{layer:>5} | {r['h_rel']:.3f}/{i['h_rel']:.3f} | {r['k_rel']:.3f}/{i['k_rel']:.3f} | "
+            f"{r['v_rel']:.3f}/{i['v_rel']:.3f} | {r['k_cos']:.3f}/{i['k_cos']:.3f}"
+        )
 
 
 @app.command()

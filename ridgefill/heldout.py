@@ -38,9 +38,12 @@ def heldout_metrics(
             for name, pred in (("ridge", x @ w.to(x) + b.to(x)), ("identity", x)):
                 k, v = ad.write_kv(layer, pred[None], cos, sin)
                 row = {
-                    "h_rel": _rel(pred, true), "h_cos": _cos(pred, true),
-                    "k_rel": _rel(k, k_true), "k_cos": _cos(k.transpose(1, 2)[0], k_true.transpose(1, 2)[0]),
-                    "v_rel": _rel(v, v_true), "v_cos": _cos(v.transpose(1, 2)[0], v_true.transpose(1, 2)[0]),
+                    "h_rel": _rel(pred, true),
+                    "h_cos": _cos(pred, true),
+                    "k_rel": _rel(k, k_true),
+                    "k_cos": _cos(k.transpose(1, 2)[0], k_true.transpose(1, 2)[0]),
+                    "v_rel": _rel(v, v_true),
+                    "v_cos": _cos(v.transpose(1, 2)[0], v_true.transpose(1, 2)[0]),
                 }
                 acc = sums.setdefault(l, {}).setdefault(name, {})
                 for key, val in row.items():

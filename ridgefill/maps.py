@@ -130,7 +130,9 @@ def read_manifest(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise MapError(f"{path / MANIFEST} is not valid JSON: {e}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise MapError(f"{path}: format_version {manifest.get('format_version')!r}, this RidgeFill reads {FORMAT_VERSION}")
+        raise MapError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this RidgeFill reads {FORMAT_VERSION}"
+        )
     return manifest
 
 

@@ -25,7 +25,9 @@ DEFAULT = "default"
 
 
 def load_model(
-    model: str | Path = DEFAULT, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    model: str | Path = DEFAULT,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
     trust_remote_code: bool = False,
 ) -> tuple[nn.Module, object]:
     """A causal LM and its tokenizer; `default` is the embedded SmolLM2-135M-Instruct."""
@@ -57,48 +59,98 @@ def capture_dir(root: Path, fp_key: str, corpus_sha: str, window: int) -> Path:
 
 
 def run_capture(
-    model: nn.Module, tokenizer, source: str | list[str], splits: list[int], *, window: int = 512,
-    max_windows: int = 128, heldout: int = 4, root: Path | None = None, checkpoint_every: int = 16,
-    sink_skip: int = 4, stride: int = 1, progress: bool = True,
+    model: nn.Module,
+    tokenizer,
+    source: str | list[str],
+    splits: list[int],
+    *,
+    window: int = 512,
+    max_windows: int = 128,
+    heldout: int = 4,
+    root: Path | None = None,
+    checkpoint_every: int = 16,
+    sink_skip: int = 4,
+    stride: int = 1,
+    progress: bool = True,
 ) -> Capture:
     """Capture statistics for `splits`, reusing a finished capture and resuming a partial one."""
     cal, _, corpus_sha = calibration_windows(tokenizer, source, window, max_windows, heldout)
     key = fingerprint_key(fingerprint(model, tokenizer, splits[0]))
     out = capture_dir(root or cache_root(), key, corpus_sha, window) / f"n{cal.shape[0]}-s{sink_skip}-r{stride}"
-    meta = {"corpus_sha256": corpus_sha, "source": source if isinstance(source, str) else [str(s) for s in source], "fingerprint_key": key, "heldout": heldout,
-            "max_windows": max_windows}
+    meta = {
+        "corpus_sha256": corpus_sha,
+        "source": source if isinstance(source, str) else [str(s) for s in source],
+        "fingerprint_key": key,
+        "heldout": heldout,
+        "max_windows": max_windows,
+    }
     if (out / "capture.json").is_file():
         done = load_capture(out)
         if done.meta.get("windows_done") == cal.shape[0] and set(splits) <= set(done.splits):
             return done
         if set(splits) != set(done.meta["splits"]):
             out = out.with_name(out.name + "-S" + "_".join(map(str, sorted(splits))))
-    return capture(model, cal, splits, out, sink_skip=sink_skip, stride=stride,
-                   checkpoint_every=checkpoint_every, meta=meta, progress=progress)
+    return capture(
+        model,
+        cal,
+        splits,
+        out,
+        sink_skip=sink_skip,
+        stride=stride,
+        checkpoint_every=checkpoint_every,
+        meta=meta,
+        progress=progress,
+    )
 
 
 def build_maps(
-    model: nn.Module, tokenizer, cap: Capture, split: int, lam: float, out: Path, *, heldout_windows: int = 4,
-    kind: str = "ridge", dtype: torch.dtype = torch.float32, defaults: dict | None = None,
+    model: nn.Module,
+    tokenizer,
+    cap: Capture,
+    split: int,
+    lam: float,
+    out: Path,
+    *,
+    heldout_windows: int = 4,
+    kind: str = "ridge",
+    dtype: torch.dtype = torch.float32,
+    defaults: dict | None = None,
     solver: RidgeSolver | None = None,
 ) -> Path:
     """Fit (or, for kind='identity', skip fitting), measure on held-out windows and write a map folder."""
     solver = solver or RidgeSolver.from_stats(cap.stats(split))
     maps = solver.solve(lam)
     _, held, corpus_sha = calibration_windows(
-        tokenizer, cap.meta["source"], cap.meta["window"], cap.meta["max_windows"], cap.meta["heldout"],
+        tokenizer,
+        cap.meta["source"],
+        cap.meta["window"],
+        cap.meta["max_windows"],
+        cap.meta["heldout"],
     )
     held = held[:heldout_windows]
     if corpus_sha != cap.meta["corpus_sha256"]:
         raise ValueError("the calibration corpus changed since this capture was taken")
     metrics = heldout_metrics(model, held, split, {l: (w.float(), b.float()) for l, (w, b) in maps.items()})
     fit = {
-        "corpus_sha256": corpus_sha, "source": cap.meta["source"], "tokens": cap.meta["windows_done"] * cap.meta["window"],
-        "rows": solver.count, "window": cap.meta["window"], "heldout_windows": int(held.shape[0]),
-        "absolute_lambda": solver.absolute_lambda(lam), "heldout": {str(l): m for l, m in metrics.items()},
+        "corpus_sha256": corpus_sha,
+        "source": cap.meta["source"],
+        "tokens": cap.meta["windows_done"] * cap.meta["window"],
+        "rows": solver.count,
+        "window": cap.meta["window"],
+        "heldout_windows": int(held.shape[0]),
+        "absolute_lambda": solver.absolute_lambda(lam),
+        "heldout": {str(l): m for l, m in metrics.items()},
     }
     weights = {} if kind == "identity" else {l: (w.float(), b.float()) for l, (w, b) in maps.items()}
-    return write_maps(out, weights, fingerprint(model, tokenizer, split), split, kind=kind,
-                      lam=None if kind == "identity" else lam, fit=fit, scores=rarity(cap.token_counts()),
-                      dtype=dtype, defaults=defaults)
-
+    return write_maps(
+        out,
+        weights,
+        fingerprint(model, tokenizer, split),
+        split,
+        kind=kind,
+        lam=None if kind == "identity" else lam,
+        fit=fit,
+        scores=rarity(cap.token_counts()),
+        dtype=dtype,
+        defaults=defaults,
+    )

@@ -32,10 +32,12 @@ def test_plumb_equals_exact_tiny(family, tiny_models, tokenizer, essay_text):
         assert plumb.protected.sum() == 20
         torch.testing.assert_close(plumb.logits, exact.logits, rtol=1e-4, atol=1e-4)
         for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(plumb.cache.layers[layer].keys, exact.cache.layers[layer].keys,
-                                       rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(plumb.cache.layers[layer].values, exact.cache.layers[layer].values,
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                plumb.cache.layers[layer].keys, exact.cache.layers[layer].keys, rtol=1e-4, atol=1e-4
+            )
+            torch.testing.assert_close(
+                plumb.cache.layers[layer].values, exact.cache.layers[layer].values, rtol=1e-4, atol=1e-4
+            )
     want = generate(model, ids, FillPlan("exact"), 12)
     got = generate(model, ids, FillPlan("plumb", split=3, tail=8), 12)
     assert torch.equal(got, want)

@@ -23,6 +23,7 @@ from ridgefill.evals.ruler_common import (
     Draft,
     Haystack,
     Job,
+    Setup,
     TaskUnavailable,
     char_spans,
     encode,
@@ -35,9 +36,22 @@ from ridgefill.evals.ruler_niah import prepare_niah, prepare_vt
 from ridgefill.evals.ruler_other import QAData, load_qa, prepare_cwe, prepare_fwe, prepare_qa
 
 __all__ = [
-    "SPECS", "TASKS", "DatasetSource", "Haystack", "QAData", "Sample", "TaskSpec", "TaskUnavailable",
-    "load_haystack", "load_qa", "make_samples", "region_of", "sample_score", "score",
-    "string_match_all", "string_match_part",
+    "SPECS",
+    "TASKS",
+    "DatasetSource",
+    "Haystack",
+    "QAData",
+    "Sample",
+    "TaskSpec",
+    "TaskUnavailable",
+    "load_haystack",
+    "load_qa",
+    "make_samples",
+    "region_of",
+    "sample_score",
+    "score",
+    "string_match_all",
+    "string_match_part",
 ]
 
 
@@ -61,29 +75,38 @@ class TaskSpec:
 
 
 def _niah(haystack: str, k: str, v: str, num_k: int = 1, num_v: int = 1, num_q: int = 1) -> dict[str, Any]:
-    return {"type_haystack": haystack, "type_needle_k": k, "type_needle_v": v,
-            "num_needle_k": num_k, "num_needle_v": num_v, "num_needle_q": num_q}
+    return {
+        "type_haystack": haystack,
+        "type_needle_k": k,
+        "type_needle_v": v,
+        "num_needle_k": num_k,
+        "num_needle_v": num_v,
+        "num_needle_q": num_q,
+    }
 
 
 # scripts/synthetic.yaml
-SPECS: dict[str, TaskSpec] = {s.name: s for s in [
-    TaskSpec("niah_single_1", "niah", _niah("noise", "words", "numbers")),
-    TaskSpec("niah_single_2", "niah", _niah("essay", "words", "numbers")),
-    TaskSpec("niah_single_3", "niah", _niah("essay", "words", "uuids")),
-    TaskSpec("niah_multikey_1", "niah", _niah("essay", "words", "numbers", num_k=4)),
-    TaskSpec("niah_multikey_2", "niah", _niah("needle", "words", "numbers")),
-    TaskSpec("niah_multikey_3", "niah", _niah("needle", "uuids", "uuids")),
-    TaskSpec("niah_multivalue", "niah", _niah("essay", "words", "numbers", num_v=4)),
-    TaskSpec("niah_multiquery", "niah", _niah("essay", "words", "numbers", num_q=4)),
-    TaskSpec("vt", "variable_tracking", {"type_haystack": "noise", "num_chains": 1, "num_hops": 4}),
-    TaskSpec("cwe", "common_words_extraction", {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
-    TaskSpec("fwe", "freq_words_extraction", {"alpha": 2.0}),
-    TaskSpec("qa_1", "qa", {"dataset": "squad"}),
-    TaskSpec("qa_2", "qa", {"dataset": "hotpotqa"}),
-]}
+SPECS: dict[str, TaskSpec] = {
+    s.name: s
+    for s in [
+        TaskSpec("niah_single_1", "niah", _niah("noise", "words", "numbers")),
+        TaskSpec("niah_single_2", "niah", _niah("essay", "words", "numbers")),
+        TaskSpec("niah_single_3", "niah", _niah("essay", "words", "uuids")),
+        TaskSpec("niah_multikey_1", "niah", _niah("essay", "words", "numbers", num_k=4)),
+        TaskSpec("niah_multikey_2", "niah", _niah("needle", "words", "numbers")),
+        TaskSpec("niah_multikey_3", "niah", _niah("needle", "uuids", "uuids")),
+        TaskSpec("niah_multivalue", "niah", _niah("essay", "words", "numbers", num_v=4)),
+        TaskSpec("niah_multiquery", "niah", _niah("essay", "words", "numbers", num_q=4)),
+        TaskSpec("vt", "variable_tracking", {"type_haystack": "noise", "num_chains": 1, "num_hops": 4}),
+        TaskSpec("cwe", "common_words_extraction", {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
+        TaskSpec("fwe", "freq_words_extraction", {"alpha": 2.0}),
+        TaskSpec("qa_1", "qa", {"dataset": "squad"}),
+        TaskSpec("qa_2", "qa", {"dataset": "hotpotqa"}),
+    ]
+}
 TASKS: tuple[str, ...] = tuple(SPECS)
 
-_PREPARE: dict[str, Callable[..., Callable[[int], Job]]] = {
+_PREPARE: dict[str, Callable[[Setup], Callable[[int], Job]]] = {
     "niah": prepare_niah,
     "variable_tracking": prepare_vt,
     "common_words_extraction": prepare_cwe,
@@ -99,7 +122,7 @@ class Sample:
     `depths` are RULER depths in percent (share of haystack units before the needle), aligned with
     `needle_spans`: token ranges [start, end) in `input_ids` of the answer-bearing needles (niah), the chain
     statements (vt) or the gold documents (qa); empty for cwe / fwe. `distractor_spans` are inserted needles
-    whose keys are not asked (niah_multikey_1, niah_multiquery's unasked keys).
+    whose keys are not asked (the three other keys of niah_multikey_1).
     """
 
     task: str
@@ -116,8 +139,14 @@ class Sample:
     distractor_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def make_samples(task: str, tokenizer: Any, length: int, haystack: Haystack | QAData | None = None,
-                 n: int = 1, seed: int = 0) -> list[Sample]:
+def make_samples(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    haystack: Haystack | QAData | None = None,
+    n: int = 1,
+    seed: int = 0,
+) -> list[Sample]:
     """Generate `n` samples of `task` whose prompt plus max_new_tokens fits `length` tokens of `tokenizer`.
 
     `haystack` is the essay text for tasks RULER runs on essays (noise / needle tasks ignore it); for qa_1 /
@@ -129,7 +158,7 @@ def make_samples(task: str, tokenizer: Any, length: int, haystack: Haystack | QA
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("needle spans need a fast (Rust) tokenizer with offset mappings")
-    jobs = _PREPARE[spec.family](spec.args, tokenizer, length, haystack, seed)
+    jobs = _PREPARE[spec.family](Setup(task, spec.args, tokenizer, length, haystack, seed))
     samples: list[Sample] = []
     start: int | None = None
     for index in range(n):
@@ -138,8 +167,9 @@ def make_samples(task: str, tokenizer: Any, length: int, haystack: Haystack | QA
     return samples
 
 
-def _realize(spec: TaskSpec, job: Job, tokenizer: Any, length: int, seed: int, index: int,
-             start: int | None) -> tuple[Sample, int]:
+def _realize(
+    spec: TaskSpec, job: Job, tokenizer: Any, length: int, seed: int, index: int, start: int | None
+) -> tuple[Sample, int]:
     """Fit the haystack size of one sample (largest that fits the budget), then locate its needles."""
     budget = length - spec.max_new_tokens
     cache: dict[int, int] = {}
@@ -147,7 +177,8 @@ def _realize(spec: TaskSpec, job: Job, tokenizer: Any, length: int, seed: int, i
     def n_tokens(size: int) -> int:
         if size not in cache:
             draft = job.build(size)
-            cache[size] = len(encode(tokenizer, render(tokenizer, draft.user, draft.answer_prefix))["input_ids"])
+            prompt = render(tokenizer, draft.user, draft.answer_prefix)
+            cache[size] = len(encode(tokenizer, prompt)["input_ids"])
         return cache[size]
 
     if start is None:
@@ -170,13 +201,21 @@ def _sample(spec: TaskSpec, draft: Draft, tokenizer: Any, length: int, seed: int
     prompt = render(tokenizer, draft.user, draft.answer_prefix)
     enc = encode(tokenizer, prompt, offsets=True)
     offsets = [tuple(o) for o in enc["offset_mapping"]]
-    spans = char_spans(prompt, draft.needles + draft.distractors)
-    tokens = [token_span(offsets, s, e) for s, e in spans]
+    needles = [token_span(offsets, s, e) for s, e in char_spans(prompt, draft.needles)]
+    distractors = [token_span(offsets, s, e) for s, e in char_spans(prompt, draft.distractors)]
     return Sample(
-        task=spec.name, index=index, seed=seed, length=length, prompt=prompt, input_ids=list(enc["input_ids"]),
-        answers=list(draft.answers), max_new_tokens=spec.max_new_tokens, answer_prefix=draft.answer_prefix,
-        depths=list(draft.depths), needle_spans=tokens[: len(draft.needles)],
-        distractor_spans=tokens[len(draft.needles) :],
+        task=spec.name,
+        index=index,
+        seed=seed,
+        length=length,
+        prompt=prompt,
+        input_ids=list(enc["input_ids"]),
+        answers=list(draft.answers),
+        max_new_tokens=spec.max_new_tokens,
+        answer_prefix=draft.answer_prefix,
+        depths=list(draft.depths),
+        needle_spans=needles,
+        distractor_spans=distractors,
     )
 
 
@@ -190,16 +229,22 @@ def postprocess_pred(prediction: str) -> str:
 
 def string_match_all(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
     """Mean over samples of the share of references found (case-insensitive substring), x100, 2 decimals."""
-    score = sum(sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref)
-                for p, ref in zip(preds, refs)) / len(preds) * 100
+    score = (
+        sum(
+            sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref)
+            for p, ref in zip(preds, refs, strict=True)
+        )
+        / len(preds)
+        * 100
+    )
     return round(score, 2)
 
 
 def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> float:
     """Mean over samples of whether any reference is found (case-insensitive substring), x100, 2 decimals."""
-    score = sum(max(1.0 if r.lower() in p.lower() else 0.0 for r in ref)
-                for p, ref in zip(preds, refs)) / len(preds) * 100
-    return round(score, 2)
+    pairs = zip(preds, refs, strict=True)
+    found = [max(1.0 if r.lower() in p.lower() else 0.0 for r in ref) for p, ref in pairs]
+    return round(sum(found) / len(preds) * 100, 2)
 
 
 _METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}

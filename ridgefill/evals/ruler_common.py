@@ -1,7 +1,7 @@
 """Shared pieces of the RULER generators: RULER's constants, haystacks, word lists, prompt fitting, spans.
 
-Constants are copied from NVIDIA/RULER `scripts/data/synthetic/constants.py`, `niah.py`, `variable_tracking.py`;
-see `ridgefill/evals/ruler.py` for the public API.
+Constants are copied from NVIDIA/RULER `scripts/data/synthetic/constants.py`, `niah.py` and
+`variable_tracking.py`; see `ridgefill/evals/ruler.py` for the public API.
 """
 
 from __future__ import annotations
@@ -11,42 +11,43 @@ import functools
 import os
 import random
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # RULER `scripts/data/synthetic/constants.py` TASKS: task template, answer prefix and tokens_to_generate
 # per generator script. The answer prefix is appended after the (chat) template, leading space included.
+_FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 TEMPLATES: dict[str, dict[str, Any]] = {
     "niah": {
         "tokens_to_generate": 128,
-        "template": "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
-        "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the "
-        "special magic {type_needle_v} for {query} mentioned in the provided text?",
+        "template": "Some special magic {type_needle_v} are hidden within the following text. "
+        "Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+        "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
         "answer_prefix": " The special magic {type_needle_v} for {query} mentioned in the provided text are",
     },
     "variable_tracking": {
         "tokens_to_generate": 30,
         "template": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
         "{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",
-        "answer_prefix": " Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
-        "variables are assigned the value {query}, they are: ",
+        "answer_prefix": " Answer: According to the chain(s) of variable assignment in the text above, "
+        "{num_v} variables are assigned the value {query}, they are: ",
     },
     "common_words_extraction": {
         "tokens_to_generate": 120,
         "template": "Below is a numbered list of words. In these words, some appear more often than others. "
-        "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in "
-        "the above list?",
+        "Memorize the ones that appear most often.\n{context}\n"
+        "Question: What are the 10 most common words in the above list?",
         "answer_prefix": " Answer: The top 10 words that appear most often in the list are:",
     },
     "freq_words_extraction": {
         "tokens_to_generate": 50,
-        "template": "Read the following coded text and track the frequency of each coded word. Find the three "
-        "most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please "
-        "ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
-        "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared words "
-        "are:",
+        "template": "Read the following coded text and track the frequency of each coded word. "
+        "Find the three most frequently appeared coded words. {context}\n"
+        "Question: Do not provide any explanation. Please ignore the dots '....'. "
+        "What are the three most frequently appeared words in the above coded text?",
+        "answer_prefix": _FWE_PREFIX,
     },
     "qa": {
         "tokens_to_generate": 32,
@@ -71,12 +72,16 @@ class TaskUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class DatasetSource:
-    """A `datasets` dataset whose text column is the haystack (rows joined by newlines)."""
+    """A `datasets` dataset whose text column is the haystack (rows joined by newlines).
+
+    `name` is a Hub id or a packaged builder ("text", "json", "parquet") used with `data_files`.
+    """
 
     name: str
     split: str = "train"
     column: str = "text"
     config: str | None = None
+    data_files: str | tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,16 +106,27 @@ class Draft:
 
 @dataclass
 class Job:
-    """How to build sample `index`: `build(size)` is deterministic; `size` counts haystack units."""
+    """How to build one sample: `build(size)` is deterministic; `size` counts haystack units."""
 
     build: Callable[[int], Draft]
     floor: int  # smallest valid size
     probe: int  # a size to estimate tokens per unit from
 
 
-def sample_rng(seed: int, index: int) -> random.Random:
-    """Per-sample generator so sample i depends only on (seed, i); str seeds hash stably (sha512)."""
-    return random.Random(f"ruler:{seed}:{index}")
+@dataclass(frozen=True)
+class Setup:
+    """What a generator is asked for: task and synthetic.yaml args, tokenizer, target length, data, seed."""
+
+    task: str
+    args: Mapping[str, Any]
+    tokenizer: Any
+    length: int
+    haystack: Any
+    seed: int
+
+    def rng(self, index: int) -> random.Random:
+        """Per-sample generator: sample i depends only on (task, seed, i); str seeds hash stably (sha512)."""
+        return random.Random(f"ruler:{self.task}:{self.seed}:{index}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -131,15 +147,16 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in _SENT_END.split(text.strip()) if s]
 
 
-def load_haystack(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | DatasetSource) -> Haystack:
+PathLike = str | os.PathLike[str]
+
+
+def load_haystack(source: PathLike | Sequence[PathLike] | DatasetSource) -> Haystack:
     """Read essay-style haystack text from a folder of .txt files, a file, a list of files, or a dataset.
 
     Files are concatenated in sorted (folder) or given order, like RULER's PaulGrahamEssays.json.
     """
     if isinstance(source, DatasetSource):
-        import datasets
-
-        rows = datasets.load_dataset(source.name, source.config, split=source.split)
+        rows = load_rows(source)
         return _haystack("\n".join(rows[source.column]), f"{source.name}:{source.split}")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
@@ -148,7 +165,16 @@ def load_haystack(source: str | os.PathLike[str] | Sequence[str | os.PathLike[st
         files = [Path(p) for p in source]
     if not files:
         raise ValueError(f"no .txt haystack files in {source}")
-    return _haystack("\n".join(f.read_text(encoding="utf-8") for f in files), str(source))
+    origin = str(source) if isinstance(source, (str, os.PathLike)) else f"{len(files)} files"
+    return _haystack("\n".join(f.read_text(encoding="utf-8") for f in files), origin)
+
+
+def load_rows(source: DatasetSource) -> Any:
+    """The `datasets` split that `source` names (imported lazily: only dataset sources need it)."""
+    import datasets
+
+    s = source
+    return datasets.load_dataset(s.name, s.config, split=s.split, data_files=s.data_files)
 
 
 def _haystack(text: str, origin: str) -> Haystack:

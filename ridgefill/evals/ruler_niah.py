@@ -1,7 +1,7 @@
 """RULER needle-in-a-haystack (`niah.py`) and variable tracking (`variable_tracking.py`) generators.
 
-Each `prepare_*` returns a factory of per-sample `Job`s; the random draws follow RULER's order where the
-result would otherwise depend on the haystack size being tried (keys, values and queries come first).
+Each `prepare_*` returns a factory of per-sample `Job`s. Random draws follow RULER, except that what a sample
+asks (keys, values, queries) is drawn before the haystack, so it stays fixed while the size is being fitted.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from ridgefill.evals.ruler_common import (
     NOISE,
     TEMPLATES,
     Draft,
-    Haystack,
     Job,
+    Setup,
     count_tokens,
     largest_fitting,
-    sample_rng,
     split_sentences,
     wonder_words,
 )
+
+Placed = list[tuple[float, int]]  # (depth %, needle number) in prompt order
 
 
 def random_value(rng: random.Random, kind: str) -> str:
@@ -38,6 +39,12 @@ def random_value(rng: random.Random, kind: str) -> str:
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     raise ValueError(f"unknown needle type {kind!r}")
+
+
+def random_needle(rng: random.Random, args: Mapping[str, Any]) -> str:
+    """A haystack line of RULER's "needle" haystack: a needle with a random key and value."""
+    key, value = random_value(rng, args["type_needle_k"]), random_value(rng, args["type_needle_v"])
+    return NEEDLE.format(type_needle_v=args["type_needle_v"], key=key, value=value)
 
 
 def niah_templates(args: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -64,20 +71,20 @@ def essay_context(words: tuple[str, ...], size: int, needles: list[str], depths:
     return " ".join(parts)
 
 
-def line_context(rng: random.Random, lines: list[str], needles: list[str]) -> tuple[str, list[tuple[float, int]]]:
+def line_context(rng: random.Random, lines: list[str], needles: list[str]) -> tuple[str, Placed]:
     """Insert needles between haystack lines at random indexes (niah.py); return (depth %, needle no.)."""
     n = len(lines)
     indexes = sorted(rng.sample(range(n), len(needles)), reverse=True)
-    for index, needle in zip(indexes, needles):
+    for index, needle in zip(indexes, needles, strict=True):
         lines.insert(index, needle)
     # A needle inserted at `index` moves down once for every later insertion at a smaller index.
     final = [(index + len(needles) - 1 - m, m) for m, index in enumerate(indexes)]
     return "\n".join(lines), sorted((100 * pos / len(lines), m) for pos, m in final)
 
 
-def prepare_niah(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: Haystack | None,
-                 seed: int) -> Callable[[int], Job]:
+def prepare_niah(setup: Setup) -> Callable[[int], Job]:
     """Job factory for niah_* tasks; `size` is words (essay) or lines (noise / needle haystack)."""
+    args, haystack, seed = setup.args, setup.haystack, setup.seed
     kind = args["type_haystack"]
     if kind == "essay" and haystack is None:
         raise ValueError("this RULER task uses the essay haystack: pass `haystack=load_haystack(...)`")
@@ -86,12 +93,15 @@ def prepare_niah(args: Mapping[str, Any], tokenizer: Any, length: int, haystack:
 
     def job(index: int) -> Job:
         def build(size: int) -> Draft:
-            rng = sample_rng(seed, index)
+            rng = setup.rng(index)
             keys = [random_value(rng, args["type_needle_k"]) for _ in range(num_k)]
-            values = [[random_value(rng, args["type_needle_v"]) for _ in range(args["num_needle_v"])]
-                      for _ in keys]
-            needles = [(NEEDLE.format(type_needle_v=args["type_needle_v"], key=k, value=v), i)
-                       for i, k in enumerate(keys) for v in values[i]]
+            per_key = range(args["num_needle_v"])
+            values = [[random_value(rng, args["type_needle_v"]) for _ in per_key] for _ in keys]
+            needles = [
+                (NEEDLE.format(type_needle_v=args["type_needle_v"], key=k, value=v), i)
+                for i, k in enumerate(keys)
+                for v in values[i]
+            ]
             random.Random(seed).shuffle(needles)
             asked = rng.sample(range(num_k), args["num_needle_q"])
             texts = [t for t, _ in needles]
@@ -100,9 +110,7 @@ def prepare_niah(args: Mapping[str, Any], tokenizer: Any, length: int, haystack:
                 context = essay_context(haystack.words, size, texts, depths)
                 placed = [(float(d), m) for m, d in enumerate(depths)]
             else:
-                lines = [NOISE] * size if kind == "noise" else [
-                    NEEDLE.format(type_needle_v=args["type_needle_v"], key=random_value(rng, args["type_needle_k"]),
-                                  value=random_value(rng, args["type_needle_v"])) for _ in range(size)]
+                lines = [NOISE] * size if kind == "noise" else [random_needle(rng, args) for _ in range(size)]
                 context, placed = line_context(rng, lines, texts)
             queries = [keys[i] for i in asked]
             query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
@@ -126,8 +134,10 @@ def vt_chain(rng: random.Random, num_hops: int, icl: bool) -> tuple[list[str], l
     """One chain of `variable_tracking.generate_chains`: names and statements (the value first)."""
     k = 3 if icl else 5
     names: list[str] = []
-    while len(set(names)) < num_hops + 1:
-        names = list(dict.fromkeys(names)) + ["".join(rng.choices(string.ascii_uppercase, k=k))]
+    while len(names) < num_hops + 1:
+        name = "".join(rng.choices(string.ascii_uppercase, k=k))
+        if name not in names:
+            names.append(name)
     value = "12345" if icl else str(rng.randrange(10000, 99999))
     chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(num_hops)]
     return names, chain
@@ -156,6 +166,7 @@ def vt_draft(rng: random.Random, size: int, num_hops: int, icl: bool) -> Draft:
 
 def vt_icl_example(tokenizer: Any, seed: int, num_hops: int) -> str:
     """RULER's few-shot example: a 3-letter chain in <= 500 raw tokens, with its answer appended."""
+
     def fits(size: int) -> bool:
         draft = vt_draft(random.Random(f"ruler-vt-icl:{seed}"), size, num_hops, icl=True)
         return count_tokens(tokenizer, draft.user + draft.answer_prefix) <= 500
@@ -172,17 +183,17 @@ def randomize_icl(rng: random.Random, example: str, num_hops: int) -> str:
     return example.replace("12345", str(rng.randrange(10000, 99999)))
 
 
-def prepare_vt(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: Haystack | None,
-               seed: int) -> Callable[[int], Job]:
-    """Job factory for vt: the few-shot example then the task, both in the user turn (as RULER orders them)."""
+def prepare_vt(setup: Setup) -> Callable[[int], Job]:
+    """Job factory for vt: RULER's few-shot example, then the task, both in the user turn."""
+    args = setup.args
     if args.get("type_haystack", "noise") != "noise" or args["num_chains"] != 1:
         raise NotImplementedError("only RULER's vt configuration (noise haystack, one chain) is implemented")
     hops = args["num_hops"]
-    example = vt_icl_example(tokenizer, seed, hops)
+    example = vt_icl_example(setup.tokenizer, setup.seed, hops)
 
     def job(index: int) -> Job:
         def build(size: int) -> Draft:
-            rng = sample_rng(seed, index)
+            rng = setup.rng(index)
             shot = randomize_icl(rng, example, hops)
             draft = vt_draft(rng, size, hops, icl=False)
             draft.user = shot + "\n" + draft.user

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
-import os
 import random
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,12 @@ from ridgefill.evals.ruler_common import (
     TEMPLATES,
     DatasetSource,
     Draft,
-    Haystack,
     Job,
+    PathLike,
+    Setup,
     TaskUnavailable,
     hub_offline,
-    sample_rng,
+    load_rows,
     wonder_words,
 )
 
@@ -49,8 +50,9 @@ def numbered(words: Iterable[str]) -> str:
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
 
 
-def cwe_example(rng: random.Random, words: list[str], seed: int, num_words: int, common: int,
-                uncommon: int, num_cw: int) -> tuple[str, list[str]]:
+def cwe_example(
+    rng: random.Random, words: list[str], seed: int, num_words: int, common: int, uncommon: int, num_cw: int
+) -> tuple[str, list[str]]:
     """`get_example`: num_cw words repeated `common` times, the rest `uncommon` times, fixed-seed shuffle."""
     chosen = distinct_words(rng, words, num_words)
     top = chosen[:num_cw]
@@ -59,9 +61,9 @@ def cwe_example(rng: random.Random, words: list[str], seed: int, num_words: int,
     return numbered(listing), top
 
 
-def prepare_cwe(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: Haystack | None,
-                seed: int) -> Callable[[int], Job]:
+def prepare_cwe(setup: Setup) -> Callable[[int], Job]:
     """Job factory for cwe; `size` is the number of distinct words. Below 4096 tokens RULER uses 6x / 1x."""
+    args, length, seed = setup.args, setup.length, setup.seed
     words = cwe_vocabulary(seed)
     spec = TEMPLATES["common_words_extraction"]
     num_cw = args["num_cw"]
@@ -71,7 +73,7 @@ def prepare_cwe(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: 
 
     def job(index: int) -> Job:
         def build(size: int) -> Draft:
-            rng = sample_rng(seed, index)
+            rng = setup.rng(index)
             shot, shot_answer = cwe_example(rng, words, seed, *shot_shape, num_cw)
             context, answer = cwe_example(rng, words, seed, size, *repeats, num_cw)
             full = spec["template"] + spec["answer_prefix"]
@@ -88,10 +90,10 @@ def prepare_cwe(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: 
 
 
 def zeta(s: float) -> float:
-    """Riemann zeta for s > 1 (Euler-Maclaurin, ~1e-12), replacing scipy.special.zeta."""
-    n = 10
+    """Riemann zeta for s > 1 (Euler-Maclaurin, to ~1e-15), replacing scipy.special.zeta."""
+    n = 20
     total = sum(k**-s for k in range(1, n)) + n ** (1 - s) / (s - 1) + n**-s / 2
-    for k, bernoulli in ((1, 1 / 6), (2, -1 / 30), (3, 1 / 42)):
+    for k, bernoulli in ((1, 1 / 6), (2, -1 / 30), (3, 1 / 42), (4, -1 / 30), (5, 5 / 66)):
         rising = math.prod(s + j for j in range(2 * k - 1))
         total += bernoulli / math.factorial(2 * k) * rising * n ** (-s - 2 * k + 1)
     return total
@@ -108,25 +110,27 @@ def coded_vocabulary(rng: random.Random, seed: int, size: int, word_len: int = 6
     return vocab
 
 
-def prepare_fwe(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: Haystack | None,
-                seed: int) -> Callable[[int], Job]:
+def prepare_fwe(setup: Setup) -> Callable[[int], Job]:
     """Job factory for fwe; `size` is RULER's num_words (zeta-distributed counts, rank 1 is noise)."""
-    spec = TEMPLATES["freq_words_extraction"]
-    budget = length - spec["tokens_to_generate"]
+    spec, seed = TEMPLATES["freq_words_extraction"], setup.seed
+    budget = setup.length - spec["tokens_to_generate"]
     vocab_size = budget // 50
     if vocab_size < 4:
         raise ValueError("fwe needs a target length of at least 250 tokens")
-    alpha = args["alpha"]
+    alpha = setup.args["alpha"]
     norm = zeta(alpha)
 
     def job(index: int) -> Job:
         def build(size: int) -> Draft:
-            rng = sample_rng(seed, index)
+            rng = setup.rng(index)
             vocab = coded_vocabulary(rng, seed, vocab_size)
             text = [w for k, w in enumerate(vocab, 1) for _ in range(int(size * k**-alpha / norm))]
             random.Random(seed).shuffle(text)
-            return Draft(user=spec["template"].format(context=" ".join(text), query=""),
-                         answer_prefix=spec["answer_prefix"], answers=vocab[1:4])
+            return Draft(
+                user=spec["template"].format(context=" ".join(text), query=""),
+                answer_prefix=spec["answer_prefix"],
+                answers=vocab[1:4],
+            )
 
         return Job(build, floor=1, probe=max(1, budget // 6))
 
@@ -174,7 +178,8 @@ def squad_data(rows: Iterable[tuple[str, str, str, list[str]]]) -> QAData:
             article[title].append(ids[ctx])
     items = tuple(
         QAItem(q, tuple(ans), (ids[ctx],), tuple(i for i in article[title] if i != ids[ctx]), (ids[ctx],))
-        for title, ctx, q, ans in rows if ans
+        for title, ctx, q, ans in rows
+        if ans
     )
     return QAData("squad", items, tuple(docs))
 
@@ -196,22 +201,35 @@ def ruler_json_rows(dataset: str, path: Path) -> list[tuple]:
     """Rows from RULER's own downloads: SQuAD dev-v2.0.json or hotpot_dev_distractor_v1.json."""
     data = json.loads(path.read_text(encoding="utf-8"))
     if dataset == "squad":
-        return [(d["title"], p["context"], qa["question"], [a["text"] for a in qa["answers"]])
-                for d in data["data"] for p in d["paragraphs"] for qa in p["qas"] if not qa["is_impossible"]]
-    return [(d["question"], d["answer"], [(t, s) for t, s in d["context"]],
-             {t for t, _ in d["supporting_facts"]}) for d in data]
+        return [
+            (
+                d["title"],
+                p["context"],
+                qa["question"],
+                [] if qa["is_impossible"] else [a["text"] for a in qa["answers"]],
+            )
+            for d in data["data"]
+            for p in d["paragraphs"]
+            for qa in p["qas"]
+        ]
+    return [
+        (d["question"], d["answer"], [(t, s) for t, s in d["context"]], {t for t, _ in d["supporting_facts"]})
+        for d in data
+    ]
 
 
 def hf_rows(dataset: str, ds: Any) -> list[tuple]:
     """Rows from the Hub layouts of rajpurkar/squad_v2 and hotpotqa/hotpot_qa."""
     if dataset == "squad":
         return [(r["title"], r["context"], r["question"], list(r["answers"]["text"])) for r in ds]
-    return [(r["question"], r["answer"], list(zip(r["context"]["title"], r["context"]["sentences"])),
-             set(r["supporting_facts"]["title"])) for r in ds]
+    rows = []
+    for r in ds:
+        docs = list(zip(r["context"]["title"], r["context"]["sentences"], strict=True))
+        rows.append((r["question"], r["answer"], docs, set(r["supporting_facts"]["title"])))
+    return rows
 
 
-def load_qa(dataset: str, source: str | os.PathLike[str] | DatasetSource | None = None,
-            offline: bool = True) -> QAData:
+def load_qa(dataset: str, source: PathLike | DatasetSource | None = None, offline: bool = True) -> QAData:
     """SQuAD ("squad") or HotpotQA ("hotpotqa") from a RULER json file or a cached `datasets` dataset.
 
     Raises TaskUnavailable when the data cannot be read, so qa_1 / qa_2 can be skipped cleanly.
@@ -221,16 +239,19 @@ def load_qa(dataset: str, source: str | os.PathLike[str] | DatasetSource | None 
     source = QA_SOURCES[dataset] if source is None else source
     try:
         if isinstance(source, DatasetSource):
-            import datasets
-
             with hub_offline() if offline else contextlib.nullcontext():
-                ds = datasets.load_dataset(source.name, source.config, split=source.split)
-            rows = hf_rows(dataset, ds)
+                rows = hf_rows(dataset, load_rows(source))
         else:
             rows = ruler_json_rows(dataset, Path(source))
     except Exception as exc:  # noqa: BLE001 - any failure means "not available here"
         raise TaskUnavailable(f"{dataset} data is not available from {source}: {exc}") from exc
     return squad_data(rows) if dataset == "squad" else hotpot_data(rows)
+
+
+@functools.lru_cache(maxsize=2)
+def default_qa(dataset: str) -> QAData:
+    """`load_qa` of the default Hub dataset, kept: parsing HotpotQA takes seconds."""
+    return load_qa(dataset)
 
 
 def qa_documents(rng: random.Random, item: QAItem, size: int, total: int) -> list[int]:
@@ -245,17 +266,17 @@ def qa_documents(rng: random.Random, item: QAItem, size: int, total: int) -> lis
     return own + rng.sample(more, size - len(own))
 
 
-def prepare_qa(args: Mapping[str, Any], tokenizer: Any, length: int, haystack: QAData | Haystack | None,
-               seed: int) -> Callable[[int], Job]:
+def prepare_qa(setup: Setup) -> Callable[[int], Job]:
     """Job factory for qa_1 / qa_2; sample i asks question i (as RULER does); `size` counts documents."""
-    data = haystack if isinstance(haystack, QAData) else load_qa(args["dataset"])
+    seed, haystack = setup.seed, setup.haystack
+    data = haystack if isinstance(haystack, QAData) else default_qa(setup.args["dataset"])
     spec = TEMPLATES["qa"]
 
     def job(index: int) -> Job:
         item = data.questions[index % len(data.questions)]
 
         def build(size: int) -> Draft:
-            order = qa_documents(sample_rng(seed, index), item, size, len(data.docs))
+            order = qa_documents(setup.rng(index), item, size, len(data.docs))
             random.Random(seed).shuffle(order)
             docs = [DOCUMENT_PROMPT.format(i=i + 1, document=data.docs[d]) for i, d in enumerate(order)]
             gold = [i for i, d in enumerate(order) if d in item.gold]

@@ -1,0 +1,57 @@
+"""Prefill time, exact vs RidgeFill (transformers runtime), as ratios from the same run.
+
+Runs A/B alternately after a warm-up, reports medians, the ratio exact/ridge and the FLOP-model bound.
+
+    python bench/prefill_time.py --maps /tmp/rf-bench/maps --lengths 2048 4096 --splits 10 15 18 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ridgefill.flops import speedup_bound
+from ridgefill.maps import load_maps
+from ridgefill.runtime import FillPlan, prefill, protected_rows
+from ridgefill.steps import load_model
+
+
+def timed(model, ids, plan) -> float:
+    t = time.perf_counter()
+    prefill(model, ids, plan)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--maps", type=Path, required=True, help="folder holding S{split}-ridge map folders")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--splits", type=int, nargs="+", default=[10, 15, 18, 20])
+    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    model, tok = load_model(args.model)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tail {args.tail}, sink 4\n")
+    print("| tokens | S | exact s (median) | ridge s (median) | speed-up exact/ridge | FLOP bound |")
+    print("|---|---|---|---|---|---|")
+    for n in args.lengths:
+        ids = torch.randint(100, tok.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        for s in args.splits:
+            plan = FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), tail=args.tail)
+            timed(model, ids, FillPlan()), timed(model, ids, plan)  # warm-up
+            a, b = [], []
+            for _ in range(args.repeats):
+                a.append(timed(model, ids, FillPlan()))
+                b.append(timed(model, ids, plan))
+            ea, eb = statistics.median(a), statistics.median(b)
+            bound = speedup_bound(model.config, n, s, int(protected_rows(ids, plan).sum()))
+            print(f"| {n} | {s} | {ea:.3f} | {eb:.3f} | {ea / eb:.2f}x | {bound:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
