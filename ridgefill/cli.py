@@ -13,8 +13,10 @@ import typer
 
 from ridgefill import steps
 from ridgefill.default_model import cache_root
+from ridgefill.evals.cli import app as eval_app
 
 app = typer.Typer(help="RidgeFill: shorter prefill with closed-form ridge maps.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
 Model = Annotated[str, typer.Option(help="model directory or hub id; 'default' = embedded SmolLM2-135M")]
 Source = Annotated[list[str], typer.Option(help="calibration text: 'pydoc', files/folders, or hf:name:split[:col]")]
 

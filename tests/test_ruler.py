@@ -346,6 +346,41 @@ def test_qa_from_ruler_json(tok, tmp_path):
     assert ruler.sample_score("qa_1", "zq0x0", samples[0].answers) == 100.0
 
 
+def hotpot_row(q: int) -> dict:
+    """A HotpotQA (distractor) row in the Hub layout: 10 paragraphs, 2 of them supporting."""
+    titles = [f"T{q}-{i}" for i in range(10)]
+    sentences = [[f"{t} is about city{q}{i}.", " More words here."] for i, t in enumerate(titles)]
+    return {
+        "question": f"Which city is {q}?",
+        "answer": f"city{q}",
+        "context": {"title": titles, "sentences": sentences},
+        "supporting_facts": {"title": [titles[3], titles[7]], "sent_id": [0, 0]},
+    }
+
+
+def test_qa_from_hub_layouts(tok, tmp_path, monkeypatch):
+    import datasets
+
+    raw = json.loads(squad_file(tmp_path / "squad.json").read_text())["data"]
+    squad_rows = [
+        {"title": d["title"], "context": p["context"], "question": q["question"],
+         "answers": {"text": [a["text"] for a in q["answers"]], "answer_start": [0] * len(q["answers"])}}
+        for d in raw for p in d["paragraphs"] for q in p["qas"]
+    ]  # fmt: skip
+    hotpot_rows = [hotpot_row(q) for q in range(6)]
+    tables = {"squad": squad_rows, "hotpot": hotpot_rows}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: datasets.Dataset.from_list(tables[name]))
+    via_hub = ruler.load_qa("squad", ruler.DatasetSource("squad"))
+    assert via_hub == ruler.load_qa("squad", tmp_path / "squad.json")
+    hotpot = ruler.load_qa("hotpotqa", ruler.DatasetSource("hotpot"))
+    assert len(hotpot.docs) == 60 and len(hotpot.questions) == 6
+    s = ruler.make_samples("qa_2", tok, 1024, hotpot, n=1, seed=0)[0]
+    parse(tok, s)
+    assert s.answers == ["city0"] and len(s.needle_spans) == 2
+    gold = [tok.decode(s.input_ids[a:b]) for a, b in s.needle_spans]
+    assert sorted(re.fullmatch(r"Document \d+:\n(T0-\d)\n.*", g, re.S)[1] for g in gold) == ["T0-3", "T0-7"]
+
+
 def test_qa_unavailable_is_fast():
     start = time.monotonic()
     with pytest.raises(ruler.TaskUnavailable):

@@ -1,0 +1,68 @@
+"""Paired time-to-first-token: exact vs RidgeFill on the same engine, in the same process.
+
+A and B alternate after a warm-up so that drift (thermal, other load) hits both alike; the result is
+each side's median and the ratio exact/RidgeFill with a bootstrap 95% CI over the paired repeats.
+Engines are callables `ttft(input_ids, plan) -> seconds`: the transformers runtime here, vLLM later.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ridgefill.runtime import FillPlan, prefill
+
+Engine = Callable[[torch.Tensor, FillPlan], float]
+
+
+def transformers_engine(model: nn.Module) -> Engine:
+    """TTFT on the transformers runtime: the prefill, which ends with the first token's logits."""
+
+    def run(ids: torch.Tensor, plan: FillPlan) -> float:
+        if torch.cuda.is_available() and ids.is_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = prefill(model, ids, plan)
+        int(out.logits.argmax())  # the first token itself (synchronises a GPU)
+        return time.perf_counter() - t
+
+    return run
+
+
+def ratio_ci(exact: list[float], fill: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap 95% CI of median(exact)/median(fill), resampling paired repeats."""
+    rng = random.Random(seed)
+    pairs = list(zip(exact, fill, strict=True))
+    ratios = []
+    for _ in range(reps):
+        pick = rng.choices(pairs, k=len(pairs))
+        ratios.append(statistics.median(a for a, _ in pick) / statistics.median(b for _, b in pick))
+    ratios.sort()
+    return ratios[int(0.025 * reps)], ratios[int(0.975 * reps) - 1]
+
+
+def paired_ttft(engine: Engine, ids: torch.Tensor, plan: FillPlan, repeats: int = 5, warmup: int = 1) -> dict:
+    """Alternate exact and `plan` on the same prompt; medians, ratio and its CI (seconds)."""
+    for _ in range(warmup):
+        engine(ids, FillPlan())
+        engine(ids, plan)
+    exact, fill = [], []
+    for _ in range(repeats):
+        exact.append(engine(ids, FillPlan()))
+        fill.append(engine(ids, plan))
+    lo, hi = ratio_ci(exact, fill)
+    return {
+        "tokens": int(ids.shape[1]),
+        "repeats": repeats,
+        "exact_median_s": statistics.median(exact),
+        "fill_median_s": statistics.median(fill),
+        "speedup": statistics.median(exact) / statistics.median(fill),
+        "speedup_ci95": [lo, hi],
+        "exact_s": exact,
+        "fill_s": fill,
+    }
