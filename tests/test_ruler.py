@@ -362,14 +362,20 @@ def test_qa_from_hub_layouts(tok, tmp_path, monkeypatch):
     import datasets
 
     raw = json.loads(squad_file(tmp_path / "squad.json").read_text())["data"]
-    squad_rows = [
-        {"title": d["title"], "context": p["context"], "question": q["question"],
-         "answers": {"text": [a["text"] for a in q["answers"]], "answer_start": [0] * len(q["answers"])}}
-        for d in raw for p in d["paragraphs"] for q in p["qas"]
-    ]  # fmt: skip
-    hotpot_rows = [hotpot_row(q) for q in range(6)]
-    tables = {"squad": squad_rows, "hotpot": hotpot_rows}
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, *a, **k: datasets.Dataset.from_list(tables[name]))
+    squad_rows = []  # the same questions in the rajpurkar/squad_v2 row layout
+    for d in raw:
+        for p in d["paragraphs"]:
+            for q in p["qas"]:
+                texts = [a["text"] for a in q["answers"]]
+                answers = {"text": texts, "answer_start": [0] * len(texts)}
+                row = {"title": d["title"], "context": p["context"], "question": q["question"]}
+                squad_rows.append({**row, "answers": answers})
+    tables = {"squad": squad_rows, "hotpot": [hotpot_row(q) for q in range(6)]}
+
+    def load_dataset(name: str, *args: object, **kwargs: object) -> datasets.Dataset:
+        return datasets.Dataset.from_list(tables[name])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     via_hub = ruler.load_qa("squad", ruler.DatasetSource("squad"))
     assert via_hub == ruler.load_qa("squad", tmp_path / "squad.json")
     hotpot = ruler.load_qa("hotpotqa", ruler.DatasetSource("hotpot"))
