@@ -60,7 +60,9 @@ def test_ruler_runner_scores_by_region(tiny_models, tokenizer, essay_text):
 
 
 def test_aggregate_splits_regions():
-    rows = [{"plan": "p", "task": "t", "length": 1, "region": reg, "score": s}
-            for reg, s in (("bulk", 0.0), ("bulk", 100.0), ("tail", 100.0))]
+    rows = [
+        {"plan": "p", "task": "t", "length": 1, "region": reg, "score": s}
+        for reg, s in (("bulk", 0.0), ("bulk", 100.0), ("tail", 100.0))
+    ]
     cell = aggregate(rows)["p"]["t"]["1"]
     assert cell["bulk"] == 50.0 and cell["tail"] == 100.0 and cell["sink"] is None and cell["n"] == 3

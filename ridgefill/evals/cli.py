@@ -11,8 +11,9 @@ import typer
 
 from ridgefill.runtime import FillPlan
 
-app = typer.Typer(help="Evaluate map folders: RULER accuracy by region, paired dNLL, paired TTFT.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Evaluate map folders: RULER accuracy by region, paired dNLL, paired TTFT.", no_args_is_help=True
+)
 Model = Annotated[str, typer.Option(help="model directory or hub id; 'default' = embedded SmolLM2-135M")]
 Maps = Annotated[Path | None, typer.Option(help="map folder; without it, --mode identity or plumb with --split")]
 Lengths = Annotated[list[int], typer.Option("--length", help="prompt lengths in model tokens (repeatable)")]
@@ -34,8 +35,14 @@ def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int |
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
     if ms is None and mode != "exact" and split is None:
         raise typer.BadParameter("without --maps, give --split", param_hint="--split")
-    return FillPlan(mode, split or (ms.split if ms else 0), ms, d["sink"] if sink is None else sink,
-                    d["tail"] if tail is None else tail, d["share"] if share is None else share)
+    return FillPlan(
+        mode,
+        split or (ms.split if ms else 0),
+        ms,
+        d["sink"] if sink is None else sink,
+        d["tail"] if tail is None else tail,
+        d["share"] if share is None else share,
+    )
 
 
 def _text_tokens(tok, text: list[str]) -> torch.Tensor:
@@ -53,12 +60,18 @@ def _write(out: Path | None, result: dict) -> None:
 
 @app.command()
 def ruler(
-    model: Model = "default", maps: Maps = None, mode: str | None = None, split: int | None = None,
-    sink: int | None = None, tail: int | None = None, share: float | None = None,
+    model: Model = "default",
+    maps: Maps = None,
+    mode: str | None = None,
+    split: int | None = None,
+    sink: int | None = None,
+    tail: int | None = None,
+    share: float | None = None,
     length: Lengths = [2048],  # noqa: B006
     task: Annotated[list[str], typer.Option(help="RULER tasks (repeatable); default: all")] = [],  # noqa: B006
     haystack: Text = ["pydoc"],  # noqa: B006
-    samples: int = 10, seed: int = 0,
+    samples: int = 10,
+    seed: int = 0,
     with_identity: Annotated[bool, typer.Option(help="also score identity fill at the same split")] = False,
     out: Path | None = None,
 ) -> None:
@@ -78,19 +91,33 @@ def ruler(
     else:
         hay = load_haystack(haystack[0] if len(haystack) == 1 else haystack)
     result = run_ruler(lm, tok, plans, task or list(TASKS), length, hay, samples, seed)
-    result["config"] = {"model": model, "maps": str(maps) if maps else None, "plans": list(plans),
-                        "sink": plan.sink, "tail": plan.tail, "share": plan.share, "seed": seed}
+    result["config"] = {
+        "model": model,
+        "maps": str(maps) if maps else None,
+        "plans": list(plans),
+        "sink": plan.sink,
+        "tail": plan.tail,
+        "share": plan.share,
+        "seed": seed,
+    }
     typer.echo(table(result["scores"]))
     _write(out, result)
 
 
 @app.command()
 def nll(
-    model: Model = "default", maps: Maps = None, mode: str | None = None, split: int | None = None,
-    sink: int | None = None, tail: int | None = None, share: float | None = None,
+    model: Model = "default",
+    maps: Maps = None,
+    mode: str | None = None,
+    split: int | None = None,
+    sink: int | None = None,
+    tail: int | None = None,
+    share: float | None = None,
     length: Lengths = [2048],  # noqa: B006
     text: Text = ["pydoc"],  # noqa: B006
-    documents: int = 8, scored: int = 512, out: Path | None = None,
+    documents: int = 8,
+    scored: int = 512,
+    out: Path | None = None,
 ) -> None:
     """Paired dNLL on the last `scored` tokens of `length`-token documents, with a bootstrap CI."""
     from ridgefill.evals.nll import documents as docs_of
@@ -104,19 +131,40 @@ def nll(
     for n in length:
         r = evaluate_nll(lm, docs_of(stream, n, documents), plan, scored)
         result[str(n)] = r
-        typer.echo(f"| {n} | {r['documents']} | {r['nll_exact']:.4f} | {r['nll_fill']:.4f} | {r['dnll']:+.4f} | "
-                   f"[{r['dnll_ci95'][0]:+.4f}, {r['dnll_ci95'][1]:+.4f}] | {r['top1_agree']:.3f} |")
-    _write(out, {"config": {"model": model, "maps": str(maps) if maps else None, "mode": plan.mode,
-                            "split": plan.split, "tail": plan.tail, "share": plan.share}, "lengths": result})
+        typer.echo(
+            f"| {n} | {r['documents']} | {r['nll_exact']:.4f} | {r['nll_fill']:.4f} | {r['dnll']:+.4f} | "
+            f"[{r['dnll_ci95'][0]:+.4f}, {r['dnll_ci95'][1]:+.4f}] | {r['top1_agree']:.3f} |"
+        )
+    _write(
+        out,
+        {
+            "config": {
+                "model": model,
+                "maps": str(maps) if maps else None,
+                "mode": plan.mode,
+                "split": plan.split,
+                "tail": plan.tail,
+                "share": plan.share,
+            },
+            "lengths": result,
+        },
+    )
 
 
 @app.command()
 def ttft(
-    model: Model = "default", maps: Maps = None, mode: str | None = None, split: int | None = None,
-    sink: int | None = None, tail: int | None = None, share: float | None = None,
+    model: Model = "default",
+    maps: Maps = None,
+    mode: str | None = None,
+    split: int | None = None,
+    sink: int | None = None,
+    tail: int | None = None,
+    share: float | None = None,
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers (vllm: see the vLLM runtime)")] = "transformers",
-    repeats: int = 5, warmup: int = 1, out: Path | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    out: Path | None = None,
 ) -> None:
     """Paired TTFT, exact vs the plan on the same engine in this process: medians, ratio and its CI."""
     from ridgefill.evals.ttft import paired_ttft, transformers_engine
@@ -132,7 +180,21 @@ def ttft(
         ids = torch.randint(100, tok.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
         r = paired_ttft(run, ids, plan, repeats, warmup)
         result[str(n)] = r
-        typer.echo(f"| {n} | {r['exact_median_s']:.3f} | {r['fill_median_s']:.3f} | {r['speedup']:.2f}x | "
-                   f"[{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}] |")
-    _write(out, {"config": {"model": model, "maps": str(maps) if maps else None, "engine": engine,
-                            "mode": plan.mode, "split": plan.split, "tail": plan.tail}, "lengths": result})
+        typer.echo(
+            f"| {n} | {r['exact_median_s']:.3f} | {r['fill_median_s']:.3f} | {r['speedup']:.2f}x | "
+            f"[{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}] |"
+        )
+    _write(
+        out,
+        {
+            "config": {
+                "model": model,
+                "maps": str(maps) if maps else None,
+                "engine": engine,
+                "mode": plan.mode,
+                "split": plan.split,
+                "tail": plan.tail,
+            },
+            "lengths": result,
+        },
+    )

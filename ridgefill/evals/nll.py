@@ -44,8 +44,12 @@ def continuation_logits(model: nn.Module, ids: Tensor, plan: FillPlan, scored: i
     ctx, cont = ids[None, :-scored], ids[None, -scored:]
     pre = prefill(model, ctx, plan)
     n = ctx.shape[1]
-    out = model(input_ids=cont[:, :-1], past_key_values=pre.cache, use_cache=True,
-                position_ids=torch.arange(n, n + scored - 1)[None])
+    out = model(
+        input_ids=cont[:, :-1],
+        past_key_values=pre.cache,
+        use_cache=True,
+        position_ids=torch.arange(n, n + scored - 1)[None],
+    )
     return torch.cat([pre.logits[None], out.logits[0]], dim=0)
 
 

@@ -17,8 +17,15 @@ from ridgefill.runtime import FillPlan, generate
 
 
 def run_ruler(
-    model: nn.Module, tokenizer, plans: dict[str, FillPlan], tasks: list[str], lengths: list[int], haystack,
-    samples: int = 10, seed: int = 0, progress: bool = True,
+    model: nn.Module,
+    tokenizer,
+    plans: dict[str, FillPlan],
+    tasks: list[str],
+    lengths: list[int],
+    haystack,
+    samples: int = 10,
+    seed: int = 0,
+    progress: bool = True,
 ) -> dict:
     """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}}."""
     device = next(model.parameters()).device
@@ -35,11 +42,24 @@ def run_ruler(
                     ids = torch.tensor([x.input_ids], device=device)
                     new = generate(model, ids, plan, x.max_new_tokens)
                     text = tokenizer.decode(new[0], skip_special_tokens=True)
-                    region = region_of(x.needle_spans, len(x.input_ids), plan.sink, plan.tail) \
-                        if plan.mode != "exact" else "exact"
-                    rows.append({"plan": name, "task": task, "length": length, "index": x.index,
-                                 "region": region, "score": sample_score(task, text, x.answers),
-                                 "prediction": text, "answers": x.answers, "depths": x.depths})
+                    region = (
+                        region_of(x.needle_spans, len(x.input_ids), plan.sink, plan.tail)
+                        if plan.mode != "exact"
+                        else "exact"
+                    )
+                    rows.append(
+                        {
+                            "plan": name,
+                            "task": task,
+                            "length": length,
+                            "index": x.index,
+                            "region": region,
+                            "score": sample_score(task, text, x.answers),
+                            "prediction": text,
+                            "answers": x.answers,
+                            "depths": x.depths,
+                        }
+                    )
     return {"samples": rows, "scores": aggregate(rows), "skipped": skipped}
 
 
@@ -61,11 +81,16 @@ def aggregate(rows: list[dict]) -> dict:
 
 def table(scores: dict) -> str:
     """A compact markdown table: one row per plan x task x length."""
-    lines = ["| plan | task | length | score | filled-region (bulk) | tail | n (bulk/tail) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| plan | task | length | score | filled-region (bulk) | tail | n (bulk/tail) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for plan, tasks in scores.items():
         for task, lengths in tasks.items():
             for length, c in lengths.items():
-                lines.append(f"| {plan} | {task} | {length} | {c['all']:.1f} | {fmt(c['bulk'])} | {fmt(c['tail'])} | "
-                             f"{c['n_bulk']}/{c['n_tail']} |")
+                lines.append(
+                    f"| {plan} | {task} | {length} | {c['all']:.1f} | {fmt(c['bulk'])} | {fmt(c['tail'])} | "
+                    f"{c['n_bulk']}/{c['n_tail']} |"
+                )
     return "\n".join(lines)
