@@ -182,5 +182,10 @@ def demo(
     typer.echo(f"map folders under {out}")
 
 
+from registry.cli import register as _register_registry  # noqa: E402
+
+_register_registry(app)
+
+
 if __name__ == "__main__":
     app()

@@ -45,12 +45,15 @@ def anchor_names(split: int, num_layers: int) -> list[str]:
 
 def fingerprint(model: nn.Module, tokenizer, split: int) -> dict:
     """The fingerprint of a transformers causal LM and its tokenizer, with anchors around `split`."""
-    cfg = model.config
-    archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
+    return fingerprint_from(model.config, tokenizer, dict(model.named_parameters()), split, type(model).__name__)
+
+
+def fingerprint_from(cfg, tokenizer, params: dict[str, torch.Tensor], split: int, default_arch: str = "") -> dict:
+    """The same fingerprint from a config, a tokenizer and weights by checkpoint name (as vLLM loads them)."""
+    archs = list(getattr(cfg, "architectures", None) or [default_arch])
     num_layers = cfg.num_hidden_layers
-    params = dict(model.named_parameters())
     return {
-        "architecture": archs[0],
+        "architecture": archs[0].removeprefix("RidgeFill"),
         "num_layers": num_layers,
         "hidden_size": cfg.hidden_size,
         "num_heads": cfg.num_attention_heads,

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from ridgefill.adapters import adapter_for
 from ridgefill.maps import MapSet
+from ridgefill.rows import protected_mask
 
 Mode = Literal["exact", "plumb", "identity", "ridge"]
 MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
@@ -55,18 +56,8 @@ class Prefill:
 
 def protected_rows(input_ids: Tensor, plan: FillPlan) -> Tensor:
     """Bool [n]: sink rows, the last `tail` rows, and the top `share` of the rest by token score."""
-    n = input_ids.shape[-1]
-    keep = torch.zeros(n, dtype=torch.bool, device=input_ids.device)
-    keep[: plan.sink] = True
-    keep[max(0, n - plan.tail) :] = True
-    bulk = (~keep).nonzero().squeeze(-1)
-    k = int(round(plan.share * bulk.numel()))
-    if k > 0:
-        if plan.maps is None or plan.maps.scores is None:
-            raise ValueError("a share of protected rows needs the token score table of a map folder")
-        scores = plan.maps.scores.to(input_ids.device)[input_ids[0, bulk]]
-        keep[bulk[torch.topk(scores, k).indices]] = True
-    return keep
+    scores = plan.maps.scores if plan.maps is not None else None
+    return protected_mask(input_ids[0], plan.sink, plan.tail, plan.share, scores)
 
 
 @torch.inference_mode()
@@ -115,7 +106,7 @@ def _ridgefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor
 
 def _predict(plan: FillPlan, idx: int, split_bulk: Tensor) -> Tensor:
     """The predicted input of late layer idx for bulk rows; layer S's own input is the split stream."""
-    if plan.mode == "identity" or idx == plan.split:
+    if plan.mode == "identity" or idx == plan.split or plan.maps.kind == "identity":
         return split_bulk
     weight, bias = plan.maps.layer(idx)
     return torch.addmm(bias.to(split_bulk.dtype), split_bulk[0], weight.to(split_bulk.dtype))[None]

@@ -1,0 +1,192 @@
+"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region) and maps.
+
+DuckDB allows one writer process at a time, so a `Recorder` (one connection, one lock) lives in the
+process that runs the study and writes each finished trial as one transaction of batched VALUES.
+Rows are keyed by (study, trial) and upserted, so replaying trials after a crash never duplicates.
+The file is created with `storage_compatibility_version='v1.5.0'` so the duckdb 1.5 CLI can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+COMPAT = "v1.5.0"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS studies (
+    study TEXT PRIMARY KEY, model TEXT, revision TEXT, fingerprint TEXT, engine TEXT,
+    max_ruler_drop DOUBLE, config JSON, updated TIMESTAMP DEFAULT current_timestamp
+);
+CREATE TABLE IF NOT EXISTS trials (
+    study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, sink INTEGER,
+    ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, map_path TEXT, params JSON,
+    seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    study TEXT, trial INTEGER, kind TEXT, plan TEXT, task TEXT, length INTEGER, region TEXT,
+    value DOUBLE, n INTEGER, PRIMARY KEY (study, trial, kind, plan, task, length, region)
+);
+CREATE TABLE IF NOT EXISTS maps (
+    study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, split INTEGER, lam DOUBLE,
+    tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, chosen BOOLEAN DEFAULT false,
+    published TEXT, created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
+);
+CREATE OR REPLACE VIEW pareto AS
+SELECT t.* FROM trials t
+WHERE t.state = 'COMPLETE' AND t.feasible AND NOT EXISTS (
+    SELECT 1 FROM trials u
+    WHERE u.study = t.study AND u.state = 'COMPLETE' AND u.feasible
+      AND u.ruler_delta >= t.ruler_delta AND u.speedup >= t.speedup
+      AND (u.ruler_delta > t.ruler_delta OR u.speedup > t.speedup)
+);
+CREATE OR REPLACE VIEW best_map AS
+SELECT m.* FROM maps m WHERE m.chosen
+QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY m.speedup DESC, m.created DESC) = 1;
+"""
+TRIAL_COLS = (
+    "study", "trial", "state", "split", "lam", "tail", "share", "sink", "ruler_delta", "speedup", "dnll",
+    "feasible", "map_path", "params", "seconds",
+)  # fmt: skip
+METRIC_COLS = ("study", "trial", "kind", "plan", "task", "length", "region", "value", "n")
+MAP_COLS = (
+    "study", "trial", "model", "path", "manifest_sha256", "split", "lam", "tail", "share", "ruler_delta", "speedup",
+)  # fmt: skip
+BASELINE = -1  # the trial number under which a study's exact baselines are recorded
+
+
+def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open (creating with the v1.5.0 storage format and the schema) or read a results file."""
+    path = Path(path)
+    if read_only:
+        return duckdb.connect(str(path), read_only=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(path), config={"storage_compatibility_version": COMPAT})
+    con.execute(SCHEMA)
+    return con
+
+
+def insert_rows(con: duckdb.DuckDBPyConnection, table: str, cols: Sequence[str], rows: Sequence[Sequence]) -> None:
+    """One INSERT OR REPLACE with all rows as VALUES (executemany is slow on DuckDB)."""
+    if not rows:
+        return
+    one = "(" + ", ".join("?" * len(cols)) + ")"
+    sql = f"INSERT OR REPLACE INTO {table} ({', '.join(cols)}) VALUES " + ", ".join([one] * len(rows))
+    con.execute(sql, [v for r in rows for v in r])
+
+
+@dataclass
+class TrialRecord:
+    """One finished trial as the recorder stores it; `metrics` rows follow METRIC_COLS[2:]."""
+
+    study: str
+    trial: int
+    state: str
+    params: dict[str, Any]
+    ruler_delta: float | None = None
+    speedup: float | None = None
+    dnll: float | None = None
+    feasible: bool | None = None
+    map_path: str | None = None
+    seconds: float | None = None
+    metrics: list[tuple] = field(default_factory=list)
+
+    def row(self) -> tuple:
+        p = self.params
+        return (
+            self.study, self.trial, self.state, p.get("split"), p.get("lam"), p.get("tail"), p.get("share"),
+            p.get("sink"), self.ruler_delta, self.speedup, self.dnll, self.feasible, self.map_path,
+            json.dumps(p), self.seconds,
+        )  # fmt: skip
+
+
+class Recorder:
+    """The single writer of a results file; thread-safe, one transaction per call."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.con = connect(self.path)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _tx(self, writes: list[tuple[str, Sequence[str], Sequence[Sequence]]], before: list, after=()) -> None:
+        """Statements `before`, batched inserts, statements `after`: all or nothing."""
+        with self._lock:
+            self.con.execute("BEGIN TRANSACTION")
+            try:
+                for q, args in before:
+                    self.con.execute(q, args)
+                for table, cols, rows in writes:
+                    insert_rows(self.con, table, cols, rows)
+                for q, args in after:
+                    self.con.execute(q, args)
+                self.con.execute("COMMIT")
+            except Exception:
+                self.con.execute("ROLLBACK")
+                raise
+
+    def study(self, name: str, model: str, revision: str, fingerprint: str, engine: str, max_drop: float, cfg: dict):
+        cols = ("study", "model", "revision", "fingerprint", "engine", "max_ruler_drop", "config")
+        self._tx([("studies", cols, [(name, model, revision, fingerprint, engine, max_drop, json.dumps(cfg))])], [])
+
+    def trials(self, records: Sequence[TrialRecord]) -> None:
+        """Upsert trials with their metrics (a trial's old metric rows are replaced, never duplicated)."""
+        metrics = [(r.study, r.trial, *m) for r in records for m in r.metrics]
+        clear = [("DELETE FROM metrics WHERE study = ? AND trial = ?", [r.study, r.trial]) for r in records]
+        self._tx([("trials", TRIAL_COLS, [r.row() for r in records]), ("metrics", METRIC_COLS, metrics)], clear)
+
+    def baseline(self, study: str, metrics: list[tuple]) -> None:
+        """The exact baselines (trial BASELINE) of a study: RULER and TTFT rows of the exact plan."""
+        self._tx(
+            [("metrics", METRIC_COLS, [(study, BASELINE, *m) for m in metrics])],
+            [("DELETE FROM metrics WHERE study = ? AND trial = ?", [study, BASELINE])],
+        )
+
+    def maps(self, rows: Sequence[tuple], chosen: tuple[str, int] | None = None) -> None:
+        """Upsert map rows (MAP_COLS) and mark the study's chosen map (only one per study)."""
+        after = []
+        if chosen:
+            after = [
+                ("UPDATE maps SET chosen = false WHERE study = ?", [chosen[0]]),
+                ("UPDATE maps SET chosen = true WHERE study = ? AND trial = ?", list(chosen)),
+            ]
+        self._tx([("maps", MAP_COLS, rows)], [], after)
+
+    def published(self, study: str, trial: int, where: str) -> None:
+        with self._lock:
+            self.con.execute("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])
+
+
+def query(path: str | Path, sql: str) -> tuple[list[str], list[tuple]]:
+    """Run read-only SQL against a results file: (column names, rows)."""
+    con = connect(path, read_only=True)
+    try:
+        cur = con.execute(sql)
+        return [d[0] for d in cur.description or []], cur.fetchall()
+    finally:
+        con.close()
+
+
+def markdown(cols: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A markdown table; floats to 4 significant digits."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v).replace("|", "\\|")
+
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+    return "\n".join([head, *("| " + " | ".join(cell(v) for v in r) + " |" for r in rows)])

@@ -1,0 +1,167 @@
+"""Study files (`studies/*.yaml`): what to tune for one model, validated so that errors name the field.
+
+A study fixes the model and revision, the calibration corpus and its token budget, the search space
+(splits, lambda range, tail sizes, protected-row share), the objectives (RULER tasks and lengths, TTFT
+lengths), the constraint (largest RULER drop), the trial budget, the engine and hardware hints.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ridgefill.evals.ruler import TASKS
+
+Pos = Annotated[int, Field(gt=0)]
+
+
+class StudyError(ValueError):
+    """A study file that cannot be used; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    repo: str = Field(min_length=1, description="Hub repo id, the model's identity and where retune looks")
+    revision: str = "main"
+    local: str | None = Field(None, description="'default' (embedded SmolLM2) or a directory; wins over the hub")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class Calibration(_Strict):
+    source: str | list[str] = Field("pydoc", description="pydoc, text files/folders, or hf:name[:config]:split")
+    tokens: Pos = Field(65536, description="token budget: windows = tokens // window")
+    window: Pos = 512
+    heldout: Pos = 4
+
+    @property
+    def max_windows(self) -> int:
+        return max(1, self.tokens // self.window)
+
+
+class Search(_Strict):
+    splits: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    lam: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (1e-4, 1e-1)
+    tails: list[Pos] = Field(min_length=1)
+    share: tuple[Annotated[float, Field(ge=0, le=1)], Annotated[float, Field(ge=0, le=1)]] = (0.0, 0.0)
+    sink: Annotated[int, Field(ge=0)] = 4
+
+    @field_validator("lam", "share")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if v[0] > v[1]:
+            raise ValueError(f"range must be [low, high] with low <= high, got {list(v)}")
+        return v
+
+
+class Ruler(_Strict):
+    tasks: list[str] = Field(min_length=1)
+    lengths: list[Pos] = Field(min_length=1)
+    samples: Pos = 4
+    haystack: str | list[str] = "pydoc"
+    seed: int = 0
+
+    @field_validator("tasks")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if t not in TASKS]
+        if bad:
+            raise ValueError(f"unknown RULER task(s) {bad}; known: {', '.join(TASKS)}")
+        return v
+
+
+class Nll(_Strict):
+    lengths: list[Pos] = Field(default_factory=list)
+    documents: Annotated[int, Field(ge=0)] = 0
+    scored: Pos = 256
+    text: str | list[str] = "pydoc"
+
+
+class Ttft(_Strict):
+    lengths: list[Pos] = Field(min_length=1)
+    repeats: Pos = 3
+    warmup: Annotated[int, Field(ge=0)] = 1
+
+
+class Objectives(_Strict):
+    ruler: Ruler
+    ttft: Ttft
+    nll: Nll = Nll()
+
+
+class Constraints(_Strict):
+    max_ruler_drop: Annotated[float, Field(ge=0)] = Field(description="RULER points (0-100) a trial may lose")
+
+
+class Budget(_Strict):
+    trials: Pos
+    parallel: Pos = Field(1, description="trials evaluated at once by one flow run")
+    seed: int = 0
+
+
+class Hardware(_Strict):
+    device: Literal["cpu", "cuda"] = "cpu"
+    pool: str = "cpu-process"
+    threads: Annotated[int, Field(ge=0)] = 0
+    gpu_memory_gb: float | None = None
+
+
+class Study(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSpec
+    calibration: Calibration = Calibration()
+    search: Search
+    objectives: Objectives
+    constraints: Constraints
+    budget: Budget
+    engine: Literal["transformers", "vllm"] = "transformers"
+    hardware: Hardware = Hardware()
+
+    @model_validator(mode="after")
+    def _rows_to_fill(self) -> Study:
+        shortest = min(self.objectives.ruler.lengths + self.objectives.ttft.lengths)
+        if self.search.sink + max(self.search.tails) >= shortest:
+            raise ValueError(
+                f"search.tails: sink + tail ({self.search.sink} + {max(self.search.tails)}) leaves no bulk rows "
+                f"in the shortest objective length {shortest}"
+            )
+        return self
+
+
+def _where(err: dict) -> str:
+    return ".".join(str(p) for p in err["loc"]) or "(top level)"
+
+
+def validate(data: Any, origin: str = "study") -> Study:
+    """A `Study` from parsed YAML; any error names the file and the dotted field path."""
+    try:
+        return Study.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{origin}: {_where(err)}: {err['msg']}" for err in e.errors()]
+        raise StudyError("\n".join(lines)) from None
+
+
+def merge(base: dict, overrides: dict | None) -> dict:
+    """Deep-merge `overrides` into a copy of `base` (how deployments and tests shrink a study)."""
+    out = copy.deepcopy(base)
+    for k, v in (overrides or {}).items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_study(path: str | Path, overrides: dict | None = None) -> Study:
+    """Read and validate a study file, with optional overrides deep-merged first."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise StudyError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise StudyError(f"{path}: (top level): a study is a mapping of fields")
+    return validate(merge(data, overrides), str(path))

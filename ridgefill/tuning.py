@@ -1,0 +1,437 @@
+"""The search as plain functions: an Optuna multi-objective study over (split, lambda, tail, share).
+
+Objectives, both maximised: RULER delta vs exact (points, <= 0 in practice) and TTFT speed-up vs exact.
+Constraint (`trial.set_constraint`): the RULER drop stays within the study's maximum. The study lives
+in real storage (a journal file by default, or an RDB URL such as PostgreSQL shared by several
+machines) and is driven with ask/tell so a caller (the Prefect flow, a test) supplies the evaluation.
+A trial left RUNNING by a dead process of this host is failed and its parameters re-enqueued on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from ridgefill.results import Recorder, TrialRecord
+from ridgefill.study import Ruler, Search, Study
+
+log = logging.getLogger(__name__)
+DIRECTIONS = ("maximize", "maximize")  # RULER delta vs exact, TTFT speed-up
+FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
+
+
+@dataclass(frozen=True)
+class Params:
+    split: int
+    lam: float
+    tail: int
+    share: float
+    sink: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Outcome:
+    """What evaluating one trial gives: both objectives, dNLL, the map folder and metric rows."""
+
+    ruler_delta: float
+    speedup: float
+    dnll: float | None = None
+    map_path: str | None = None
+    metrics: list[tuple] = field(default_factory=list)  # (kind, plan, task, length, region, value, n)
+
+
+Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
+
+
+# --- storage and study -------------------------------------------------------------------------------
+
+
+def storage(url: str | None, root: Path, name: str) -> optuna.storages.BaseStorage:
+    """A journal file under `root` by default; `*.journal` paths or RDB URLs (postgresql://, sqlite://) as given."""
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    if url and "://" in url:
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+    path = Path(url) if url else Path(root) / "optuna" / f"{name}.journal"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int = 0) -> optuna.Study:
+    """Create or load the study (resumes after a crash); seed_offset keeps parallel workers apart."""
+    sampler = optuna.samplers.TPESampler(
+        seed=cfg.budget.seed + seed_offset, n_startup_trials=max(2, cfg.budget.trials // 3), multivariate=True
+    )
+    study = optuna.create_study(
+        study_name=cfg.name, storage=store, directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True
+    )
+    study.set_metric_names(["ruler_delta", "ttft_speedup"])
+    return study
+
+
+def first_trials(search: Search, budget: int) -> list[dict]:
+    """Sensible starts: each split (largest first, the safest) at the middle lambda and the largest tail."""
+    lam = math.sqrt(search.lam[0] * search.lam[1])
+    n = max(1, min(len(search.splits), budget // 2))
+    splits = sorted(search.splits, reverse=True)[:n]
+    return [{"split": s, "lam": lam, "tail": max(search.tails), "share": search.share[0]} for s in splits]
+
+
+def enqueue_first(study: optuna.Study, cfg: Study) -> int:
+    """Enqueue the first trials once, on a study that has none."""
+    if study.trials:
+        return 0
+    starts = first_trials(cfg.search, cfg.budget.trials)
+    for p in starts:
+        study.enqueue_trial(p, skip_if_exists=True)
+    return len(starts)
+
+
+def suggest(trial: optuna.Trial, search: Search) -> Params:
+    lo, hi = search.lam
+    lam = trial.suggest_float("lam", lo, hi, log=True) if hi > lo else lo
+    slo, shi = search.share
+    share = trial.suggest_float("share", slo, shi) if shi > slo else slo
+    return Params(
+        split=int(trial.suggest_categorical("split", list(search.splits))),
+        lam=float(lam),
+        tail=int(trial.suggest_categorical("tail", list(search.tails))),
+        share=float(share),
+        sink=search.sink,
+    )
+
+
+# --- crash recovery ------------------------------------------------------------------------------------
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover(study: optuna.Study) -> list[int]:
+    """Fail trials left RUNNING by dead processes of this host and re-enqueue their parameters."""
+    host, failed = socket.gethostname(), []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = str(t.user_attrs.get("owner", ""))
+        h, _, pid = owner.rpartition(":")
+        if h != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        study._storage.set_trial_user_attr(t._trial_id, "error", "its process died; parameters re-enqueued")
+        study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
+        failed.append(t.number)
+    if failed:
+        log.warning("resumed study %s: trials %s had died and were re-enqueued", study.study_name, failed)
+    return failed
+
+
+# --- running -------------------------------------------------------------------------------------------
+
+
+def completed(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+
+
+def finish(study: optuna.Study, trial: optuna.Trial, out: Outcome | BaseException, max_drop: float, t0: float) -> None:
+    """Set the constraint and attributes, then tell; an exception fails the trial."""
+    trial.set_user_attr("seconds", time.time() - t0)
+    if isinstance(out, BaseException):
+        trial.set_user_attr("error", f"{type(out).__name__}: {out}"[:2000])
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    trial.set_constraint("ruler_drop", float(-out.ruler_delta - max_drop))
+    trial.set_user_attr("dnll", out.dnll)
+    trial.set_user_attr("map_path", out.map_path)
+    trial.set_user_attr("metrics", [list(m) for m in out.metrics])
+    study.tell(trial, [float(out.ruler_delta), float(out.speedup)])
+
+
+def optimize(
+    study: optuna.Study,
+    cfg: Study,
+    evaluate: Evaluate,
+    *,
+    n_trials: int | None = None,
+    on_trial: Callable[[FrozenTrial], None] | None = None,
+    max_failures: int = 3,
+) -> int:
+    """Ask/tell until the study holds `n_trials` complete trials (shared by every worker); returns how many ran."""
+    target = n_trials or cfg.budget.trials
+    recover(study)
+    ran = failures = 0
+    while (left := target - completed(study)) > 0:
+        batch = []
+        for _ in range(min(cfg.budget.parallel, left)):
+            trial = study.ask()
+            trial.set_user_attr("owner", _owner())
+            trial.set_user_attr("sink", cfg.search.sink)
+            batch.append((trial, suggest(trial, cfg.search)))
+        t0 = time.time()
+        outs = evaluate([(t.number, p) for t, p in batch])
+        for (trial, _), out in zip(batch, outs, strict=True):
+            finish(study, trial, out, cfg.constraints.max_ruler_drop, t0)
+            failures = failures + 1 if isinstance(out, BaseException) else 0
+            ran += 1
+            if on_trial:
+                on_trial(study._storage.get_trial(trial._trial_id))
+        if failures >= max_failures:
+            raise RuntimeError(f"{failures} trials failed in a row; the last: {outs[-1]!r}") from (
+                outs[-1] if isinstance(outs[-1], BaseException) else None
+            )
+    return ran
+
+
+# --- selection and records -----------------------------------------------------------------------------
+
+
+def feasible(t: FrozenTrial) -> bool:
+    return t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
+
+
+def front(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """Feasible complete trials not dominated on (RULER delta, speed-up), by trial number."""
+    ok = [t for t in trials if feasible(t)]
+
+    def dominated(t: FrozenTrial) -> bool:
+        a = t.values
+        return any(u.values[0] >= a[0] and u.values[1] >= a[1] and tuple(u.values) != tuple(a) for u in ok)
+
+    return sorted((t for t in ok if not dominated(t)), key=lambda t: t.number)
+
+
+def choose(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
+    """The best speed-up inside the constraint (ties: the smaller RULER drop, then the earlier trial)."""
+    ok = [t for t in trials if feasible(t)]
+    return max(ok, key=lambda t: (t.values[1], t.values[0], -t.number), default=None)
+
+
+def record_of(study_name: str, t: FrozenTrial) -> TrialRecord:
+    """The DuckDB record of a finished trial, rebuilt from the trial's storage alone."""
+    done = t.state == TrialState.COMPLETE
+    metrics = [tuple(m) for m in t.user_attrs.get("metrics", [])]
+    return TrialRecord(
+        study=study_name,
+        trial=t.number,
+        state=t.state.name,
+        params=dict(t.params) | {"sink": t.user_attrs.get("sink")},
+        ruler_delta=t.values[0] if done else None,
+        speedup=t.values[1] if done else None,
+        dnll=t.user_attrs.get("dnll"),
+        feasible=feasible(t) if done else None,
+        map_path=t.user_attrs.get("map_path"),
+        seconds=t.user_attrs.get("seconds"),
+        metrics=metrics,
+    )
+
+
+def sync(recorder: Recorder, study: optuna.Study) -> int:
+    """Upsert every finished trial of the study (whoever ran it) into DuckDB; returns how many."""
+    done = study.get_trials(deepcopy=False, states=FINISHED)
+    recorder.trials([record_of(study.study_name, t) for t in done])
+    return len(done)
+
+
+# --- objective pieces ----------------------------------------------------------------------------------
+
+
+def ruler_delta(trial_scores: dict, exact_scores: dict) -> float:
+    """Mean over tasks x lengths of (trial score - exact score), in RULER points."""
+    diffs = [
+        cell["all"] - exact_scores[task][length]["all"]
+        for task, lengths in trial_scores.items()
+        for length, cell in lengths.items()
+    ]
+    if not diffs:
+        raise ValueError("no RULER scores to compare (every task unavailable at these lengths?)")
+    return sum(diffs) / len(diffs)
+
+
+def ruler_rows(plan: str, scores: dict) -> list[tuple]:
+    """Metric rows (kind, plan, task, length, region, value, n) for one plan's RULER scores."""
+    rows = []
+    for task, lengths in scores.items():
+        for length, c in lengths.items():
+            for region in ("all", "bulk", "tail", "sink"):
+                if c.get(region) is not None:
+                    n = c["n"] if region == "all" else c[f"n_{region}"]
+                    rows.append(("ruler", plan, task, int(length), region, float(c[region]), int(n)))
+    return rows
+
+
+def ttft_speedup(results: dict) -> float:
+    """Geometric mean of the paired speed-ups over TTFT lengths."""
+    ups = [r["speedup"] for r in results.values()]
+    return math.exp(sum(math.log(u) for u in ups) / len(ups))
+
+
+def ttft_rows(results: dict) -> list[tuple]:
+    rows = []
+    for length, r in results.items():
+        rows += [
+            ("ttft", "exact", "ttft_s", int(length), "all", r["exact_median_s"], r["repeats"]),
+            ("ttft", "trial", "ttft_s", int(length), "all", r["fill_median_s"], r["repeats"]),
+            ("ttft", "trial", "speedup", int(length), "all", r["speedup"], r["repeats"]),
+        ]
+    return rows
+
+
+# --- reports -------------------------------------------------------------------------------------------
+
+
+def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: float) -> str:
+    """Markdown: every complete trial, Pareto members and the chosen one marked."""
+    on_front = {t.number for t in front(trials)}
+    lines = [
+        f"Constraint: RULER drop <= {max_drop:g} points. `*` Pareto front, `**` chosen.",
+        "",
+        "| trial | split | lambda | tail | share | RULER delta | TTFT speed-up | dNLL | feasible | |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number):
+        p, d = t.params, t.user_attrs.get("dnll")
+        mark = "**" if chosen is not None and t.number == chosen.number else ("*" if t.number in on_front else "")
+        lines.append(
+            f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
+            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {t.values[1]:.3f}x | "
+            f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t) else 'no'} | {mark} |"
+        )
+    return "\n".join(lines)
+
+
+def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: float, path: Path) -> Path:
+    """Scatter of RULER delta vs TTFT speed-up: trials, the front, the constraint line and the chosen map."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    fr = front(done)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ok = [t for t in done if feasible(t)]
+    bad = [t for t in done if not feasible(t)]
+    ax.scatter([t.values[1] for t in ok], [t.values[0] for t in ok], c="tab:blue", label="feasible")
+    ax.scatter([t.values[1] for t in bad], [t.values[0] for t in bad], c="tab:gray", marker="x", label="infeasible")
+    ax.plot([t.values[1] for t in fr], [t.values[0] for t in fr], "o-", c="tab:orange", label="Pareto front")
+    if chosen is not None:
+        ax.scatter([chosen.values[1]], [chosen.values[0]], s=200, facecolors="none", edgecolors="red", label="chosen")
+    ax.axhline(-max_drop, ls="--", c="red", lw=1, label=f"max drop {max_drop:g}")
+    for t in done:
+        ax.annotate(str(t.number), (t.values[1], t.values[0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("TTFT speed-up vs exact (x)")
+    ax.set_ylabel("RULER delta vs exact (points)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# --- evaluation on a loaded model (what the Prefect tasks call) ------------------------------------------
+
+
+def haystack(source: str | list[str]):
+    """RULER haystack words: 'pydoc' (embedded) or text files/folders."""
+    from ridgefill.evals.ruler import Haystack, load_haystack
+
+    if source == "pydoc":
+        from ridgefill.corpus import load_corpus
+
+        return Haystack(tuple(" ".join(load_corpus("pydoc").documents).split()), "pydoc")
+    return load_haystack(source)
+
+
+def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
+    """The trial's FillPlan: its verified map folder and protected-row policy."""
+    from ridgefill.maps import load_maps
+    from ridgefill.runtime import FillPlan
+
+    maps = load_maps(Path(maps_path), model, tokenizer) if maps_path else None
+    mode = "ridge" if maps is not None else "identity"
+    return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
+
+
+def run_ruler_plan(model, tokenizer, plan, r: Ruler) -> dict:
+    """RULER scores {task: {length: cell}} of one plan on the study's tasks, lengths and samples."""
+    from ridgefill.evals.ruler_run import run_ruler
+
+    out = run_ruler(
+        model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), haystack(r.haystack), r.samples, r.seed, False
+    )
+    return out["scores"].get("p", {})
+
+
+def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tuple]]:
+    """Mean paired dNLL over the study's lengths (None when the study asks for none) and metric rows."""
+    from ridgefill.corpus import load_corpus, token_stream
+    from ridgefill.evals.nll import documents, evaluate_nll
+
+    n = cfg.objectives.nll
+    if not n.documents or not n.lengths:
+        return None, []
+    stream = token_stream(load_corpus(n.text), tokenizer)
+    rows, vals = [], []
+    for length in n.lengths:
+        r = evaluate_nll(model, documents(stream, length, n.documents), plan, n.scored)
+        vals.append(r["dnll"])
+        rows += [
+            ("nll", "trial", "dnll", length, "all", r["dnll"], r["documents"]),
+            ("nll", "trial", "top1_agree", length, "all", r["top1_agree"], r["documents"]),
+        ]
+    return sum(vals) / len(vals), rows
+
+
+def check_engine(name: str):
+    """The TTFT engine factory the study names; fails early, before any capture, if it is missing."""
+    from ridgefill.evals import ttft
+
+    make = getattr(ttft, f"{name}_engine", None)
+    if make is None:
+        raise RuntimeError(
+            f"engine {name!r} is not available yet (the vLLM runtime has not landed); set `engine: transformers`"
+        )
+    return make
+
+
+def engine_for(name: str, model):
+    """The TTFT engine the study names, over a loaded model."""
+    return check_engine(name)(model)
+
+
+def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
+    """Paired TTFT per study length on random prompts (seeded by length): {length: paired_ttft result}."""
+    import torch
+
+    from ridgefill.evals.ttft import paired_ttft
+
+    t = cfg.objectives.ttft
+    run = engine_for(cfg.engine, model)
+    device = next(model.parameters()).device
+    out = {}
+    for n in t.lengths:
+        ids = torch.randint(100, tokenizer.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        out[str(n)] = paired_ttft(run, ids.to(device), plan, t.repeats, t.warmup)
+    return out

@@ -1,0 +1,77 @@
+"""The only attention-backend-specific code: write K/V for every row, attend for protected rows only.
+
+Protected rows are grouped into runs of consecutive positions of one request; each run becomes a
+pseudo-request whose queries are the run and whose keys are its request's blocks up to the run's last
+position. The paged cache already holds every row's K/V (bulk rows' from the prediction), so causal
+attention over it is exact for the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+from vllm.model_executor.layers.attention.attention import get_attention_context
+
+from ridgefill.vllm_plugin.batch import StepRows
+
+
+def write_kv(attn, key: Tensor, value: Tensor) -> None:
+    """Write K/V rows [num_tokens, kv_heads * head_dim] into the paged cache with the step's slot mapping."""
+    _, layer, kv_cache, slots = get_attention_context(attn.layer_name)
+    n = key.shape[0]
+    layer.impl.do_kv_cache_update(layer, key.view(n, -1, layer.head_size), value.view(n, -1, layer.head_size),
+                                  kv_cache, slots[:n])
+
+
+def attend(attn, query: Tensor, rows: StepRows) -> Tensor:
+    """Attention output [p, heads * head_dim] for the protected rows' queries [p, heads * head_dim]."""
+    meta, layer, kv_cache, _ = get_attention_context(attn.layer_name)
+    sub = rows.cache.get("meta")
+    if sub is None:
+        sub = rows.cache["meta"] = _subset_metadata(meta, layer, rows, query.dtype)
+    p = query.shape[0]
+    out = torch.empty(p, layer.num_heads, layer.head_size, dtype=query.dtype, device=query.device)
+    q = query.view(p, -1, layer.head_size)
+    layer.impl.forward(layer, q, q[:, : layer.num_kv_heads], q[:, : layer.num_kv_heads], kv_cache, sub, output=out)
+    return out.view(p, -1)
+
+
+def _run_tensors(meta, rows: StepRows) -> dict:
+    device = meta.query_start_loc.device
+    qlens = [b - a for a, b, _ in rows.runs]
+    starts = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
+    pos = rows.positions
+    seq_lens = torch.tensor([int(pos[b - 1]) + 1 for _, b, _ in rows.runs], dtype=torch.int32)
+    reqs = torch.tensor([r for _, _, r in rows.runs], dtype=torch.long, device=meta.block_table.device)
+    return {
+        "num_actual_tokens": int(starts[-1]),
+        "max_query_len": max(qlens),
+        "query_start_loc": starts.to(device),
+        "max_seq_len": int(seq_lens.max()),
+        "seq_lens": seq_lens.to(meta.seq_lens.device),
+        "block_table": meta.block_table.index_select(0, reqs),
+    }
+
+
+def _subset_metadata(meta, layer, rows: StepRows, dtype: torch.dtype):
+    fields = _run_tensors(meta, rows)
+    name = type(meta).__name__
+    if name == "CPUAttentionMetadata":
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        fields["scheduler_metadata"] = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(rows.runs), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size, seq_lens=fields["seq_lens"], dtype=dtype,
+            query_start_loc=fields["query_start_loc"], causal=True, sliding_window_size=-1, isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=layer.impl.kv_cache_dtype,
+        )
+        return dataclasses.replace(meta, causal=True, dynamic_causal=None, **fields)
+    if name == "FlashAttentionMetadata":  # CUDA; written to the same contract, not run in CI (no GPU there)
+        return dataclasses.replace(meta, causal=True, scheduler_metadata=None, max_num_splits=0,
+                                   use_cascade=False, **fields)
+    raise NotImplementedError(f"RidgeFill has no subset attention for {name}; serve with the CPU or FlashAttention "
+                              "backend")

@@ -1,0 +1,214 @@
+"""vLLM model classes that serve a RidgeFill map folder (Llama, Qwen2, Qwen3).
+
+Early layers run stock on every row. When a step holds bulk rows, each late layer writes bulk K/V
+from the predicted input through the layer's own norm, k/v projections (read raw from the checkpoint:
+vLLM repacks the fused CPU weights), k-norm and RoPE, and runs the whole layer on protected rows only,
+with attention over all K/V in the paged cache. Steps without bulk rows (decodes, exact tails) run
+the stock forward.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from vllm.logger import init_logger
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+from ridgefill.fingerprint import anchor_names, compare, fingerprint_from
+from ridgefill.maps import MapError, MapSet, load_maps
+from ridgefill.vllm_plugin.backend import attend, write_kv
+from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows
+
+log = init_logger("vllm.ridgefill")
+_KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_proj\.(weight|bias)$")
+
+
+@dataclass
+class ServeState:
+    """What a RidgeFill model serves: verified maps, the row policy, and raw k/v weights of late layers."""
+
+    maps: MapSet
+    mode: str
+    classifier: RowClassifier
+    kv: dict[tuple[int, str, str], Tensor]
+    rows: StepRows | None = None
+
+    @property
+    def split(self) -> int:
+        return self.maps.split
+
+
+def _option(cfg, name: str, default):
+    value = getattr(cfg, f"ridgefill_{name}", None)
+    return default if value is None else type(default)(value)
+
+
+class RidgeFillMixin:
+    """Adds map loading, checkpoint k/v capture and the RidgeFill forward to a vLLM causal LM."""
+
+    def _ridgefill_setup(self, vllm_config) -> None:
+        self.ridgefill: ServeState | None = None
+        self._rf_pending: tuple[MapSet, object] | None = None
+        mc = vllm_config.model_config
+        cfg = mc.hf_config
+        path = getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
+        if not path:
+            log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
+            return
+        try:
+            from transformers import AutoTokenizer
+
+            maps = load_maps(path, device="cpu")
+            tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+            errors, _ = compare(maps.manifest["model"], fingerprint_from(cfg, tok, {}, maps.split))
+            if errors:
+                raise MapError("maps do not match this model: " + "; ".join(errors))
+        except (MapError, OSError, ValueError) as e:
+            log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
+            return
+        self._rf_pending = (maps, tok)
+        self._rf_cfg = cfg
+        self._rf_dtype = mc.dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        if self._rf_pending is None:
+            return super().load_weights(weights)
+        maps, tok = self._rf_pending
+        anchors = set(anchor_names(maps.split, self._rf_cfg.num_hidden_layers))
+        kept: dict[str, Tensor] = {}
+
+        def tee(items):
+            for name, t in items:
+                m = _KV.match(name)
+                if name in anchors or (m and int(m.group(1)) >= maps.split):
+                    kept[name] = t.detach().to("cpu", copy=True)
+                yield name, t
+
+        loaded = super().load_weights(tee(weights))
+        self._ridgefill_activate(maps, tok, kept)
+        return loaded
+
+    def _ridgefill_activate(self, maps: MapSet, tok, kept: dict[str, Tensor]) -> None:
+        cfg = self._rf_cfg
+        _, warnings = compare(maps.manifest["model"], fingerprint_from(cfg, tok, kept, maps.split))
+        for w in warnings:
+            log.warning("RidgeFill: %s", w)
+        device = next(self.parameters()).device
+        kv = {}
+        for name, t in kept.items():
+            m = _KV.match(name)
+            if m:
+                kv[(int(m.group(1)), m.group(2), m.group(3))] = t.to(device, self._rf_dtype)
+        d = maps.manifest["defaults"]
+        classifier = RowClassifier(_option(cfg, "sink", int(d["sink"])), _option(cfg, "tail", int(d["tail"])),
+                                   _option(cfg, "share", float(d["share"])), maps.scores)
+        mode = _option(cfg, "mode", "ridge")
+        self.ridgefill = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
+        log.info("RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s",
+                 cfg.architectures[0], getattr(cfg, "name_or_path", ""), maps.path, maps.split, classifier.sink,
+                 classifier.tail, classifier.share, mode)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        st = self.ridgefill
+        rows = st.rows if st is not None else None
+        if rows is None or not rows.any_bulk or input_ids is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return self._ridgefill_forward(input_ids, positions, st, rows)
+
+    # --- the RidgeFill forward -----------------------------------------------------------
+    def _ridgefill_forward(self, input_ids: Tensor, positions: Tensor, st: ServeState, rows: StepRows) -> Tensor:
+        m, n = self.model, rows.num_tokens
+        pos = positions[:n]
+        h, res = m.embed_input_ids(input_ids[:n]), None
+        for layer in m.layers[: st.split]:
+            h, res = layer(pos, h, res)
+        stream = h if res is None else h + res
+        keep = rows.protected[:n].to(stream.device)
+        prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
+        x, split_bulk = stream[prot], stream[bulk]
+        x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
+        bulk_runs = bulk_rows(rows) if st.mode == "plumb" else None
+        for idx in range(st.split, len(m.layers)):
+            layer = m.layers[idx]
+            bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
+            k_b, v_b = self._write_rows(st, layer, idx, bulk_in, pos[bulk])
+            q, k, v = self._qkv(layer, x, pos[prot])
+            kv_size = k.shape[-1]
+            key, value = stream.new_empty(n, kv_size), stream.new_empty(n, kv_size)
+            key[prot], key[bulk], value[prot], value[bulk] = k, k_b, v, v_b
+            write_kv(layer.self_attn.attn, key, value)
+            if bulk_runs is not None:
+                qb, _, _ = self._qkv(layer, x_bulk, pos[bulk])
+                x_bulk = self._finish(layer, x_bulk, attend(layer.self_attn.attn, qb, bulk_runs))
+            x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))
+        out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
+        out[prot] = m.norm(x)
+        return out
+
+    @staticmethod
+    def _predict(st: ServeState, idx: int, split_bulk: Tensor) -> Tensor:
+        if idx == st.split or st.maps.kind == "identity":
+            return split_bulk
+        w, b = st.maps.layer(idx)
+        return torch.addmm(b, split_bulk, w)
+
+    def _write_rows(self, st: ServeState, layer, idx: int, hidden: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The cache writer for bulk rows: input norm -> k/v projections -> (k norm) -> RoPE."""
+        normed = layer.input_layernorm(hidden)
+        k = F.linear(normed, st.kv[(idx, "k", "weight")], st.kv.get((idx, "k", "bias")))
+        v = F.linear(normed, st.kv[(idx, "v", "weight")], st.kv.get((idx, "v", "bias")))
+        k = self._k_norm(layer.self_attn, k)
+        k, _ = layer.self_attn.rotary_emb(pos, k.contiguous(), None)
+        return k, v
+
+    def _qkv(self, layer, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        attn = layer.self_attn
+        qkv, _ = attn.qkv_proj(layer.input_layernorm(x))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = self._q_norm(attn, q), self._k_norm(attn, k)
+        q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
+        return q, k, v
+
+    @staticmethod
+    def _finish(layer, x: Tensor, attn_out: Tensor) -> Tensor:
+        o, _ = layer.self_attn.o_proj(attn_out)
+        x = x + o
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    @staticmethod
+    def _k_norm(attn, k: Tensor) -> Tensor:
+        if not hasattr(attn, "k_norm"):
+            return k
+        return attn.k_norm(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+
+    @staticmethod
+    def _q_norm(attn, q: Tensor) -> Tensor:
+        if not hasattr(attn, "q_norm"):
+            return q
+        return attn.q_norm(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+
+
+class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ridgefill_setup(vllm_config)
+
+
+class RidgeFillQwen2ForCausalLM(RidgeFillMixin, Qwen2ForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ridgefill_setup(vllm_config)
+
+
+class RidgeFillQwen3ForCausalLM(RidgeFillMixin, Qwen3ForCausalLM):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ridgefill_setup(vllm_config)
