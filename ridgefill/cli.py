@@ -186,6 +186,10 @@ from registry.cli import register as _register_registry  # noqa: E402
 
 _register_registry(app)
 
+from ridgefill.results_cli import register as _register_results  # noqa: E402
+
+_register_results(app)
+
 
 if __name__ == "__main__":
     app()

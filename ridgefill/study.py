@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ridgefill.evals.ruler import TASKS
 
@@ -127,10 +128,10 @@ class Study(_Strict):
     def _rows_to_fill(self) -> Study:
         shortest = min(self.objectives.ruler.lengths + self.objectives.ttft.lengths)
         if self.search.sink + max(self.search.tails) >= shortest:
-            raise ValueError(
-                f"search.tails: sink + tail ({self.search.sink} + {max(self.search.tails)}) leaves no bulk rows "
-                f"in the shortest objective length {shortest}"
-            )
+            msg = f"sink + tail ({self.search.sink} + {max(self.search.tails)}) leaves no bulk rows in the "
+            msg += f"shortest objective length {shortest}"
+            err = InitErrorDetails(type=PydanticCustomError("no_bulk_rows", msg), loc=("search", "tails"), input=None)
+            raise ValidationError.from_exception_data("Study", [err])
         return self
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,10 +64,24 @@ def storage(url: str | None, root: Path, name: str) -> optuna.storages.BaseStora
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     if url and "://" in url:
-        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+        return _rdb(url)
     path = Path(url) if url else Path(root) / "optuna" / f"{name}.journal"
     path.parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(str(path)))
+
+
+def _rdb(url: str, tries: int = 5) -> optuna.storages.RDBStorage:
+    """RDB storage; workers starting together race to create the schema, so the loser retries."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for i in range(tries):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+        except SQLAlchemyError:
+            if i == tries - 1:
+                raise
+            time.sleep(1.0 + i)
+    raise AssertionError("unreachable")
 
 
 def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int = 0) -> optuna.Study:
@@ -77,7 +92,9 @@ def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int 
     study = optuna.create_study(
         study_name=cfg.name, storage=store, directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True
     )
-    study.set_metric_names(["ruler_delta", "ttft_speedup"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["ruler_delta", "ttft_speedup"])
     return study
 
 
@@ -138,8 +155,8 @@ def recover(study: optuna.Study) -> list[int]:
         h, _, pid = owner.rpartition(":")
         if h != host or not pid.isdigit() or _alive(int(pid)):
             continue
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         study._storage.set_trial_user_attr(t._trial_id, "error", "its process died; parameters re-enqueued")
+        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
         failed.append(t.number)
     if failed:

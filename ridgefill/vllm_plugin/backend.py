@@ -21,8 +21,9 @@ def write_kv(attn, key: Tensor, value: Tensor) -> None:
     """Write K/V rows [num_tokens, kv_heads * head_dim] into the paged cache with the step's slot mapping."""
     _, layer, kv_cache, slots = get_attention_context(attn.layer_name)
     n = key.shape[0]
-    layer.impl.do_kv_cache_update(layer, key.view(n, -1, layer.head_size), value.view(n, -1, layer.head_size),
-                                  kv_cache, slots[:n])
+    layer.impl.do_kv_cache_update(
+        layer, key.view(n, -1, layer.head_size), value.view(n, -1, layer.head_size), kv_cache, slots[:n]
+    )
 
 
 def attend(attn, query: Tensor, rows: StepRows) -> Tensor:
@@ -64,14 +65,24 @@ def _subset_metadata(meta, layer, rows: StepRows, dtype: torch.dtype):
         from vllm import envs
 
         fields["scheduler_metadata"] = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows.runs), num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size, seq_lens=fields["seq_lens"], dtype=dtype,
-            query_start_loc=fields["query_start_loc"], causal=True, sliding_window_size=-1, isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=layer.impl.kv_cache_dtype,
+            num_reqs=len(rows.runs),
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size,
+            seq_lens=fields["seq_lens"],
+            dtype=dtype,
+            query_start_loc=fields["query_start_loc"],
+            causal=True,
+            sliding_window_size=-1,
+            isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=layer.impl.kv_cache_dtype,
         )
         return dataclasses.replace(meta, causal=True, dynamic_causal=None, **fields)
     if name == "FlashAttentionMetadata":  # CUDA; written to the same contract, not run in CI (no GPU there)
-        return dataclasses.replace(meta, causal=True, scheduler_metadata=None, max_num_splits=0,
-                                   use_cascade=False, **fields)
-    raise NotImplementedError(f"RidgeFill has no subset attention for {name}; serve with the CPU or FlashAttention "
-                              "backend")
+        return dataclasses.replace(
+            meta, causal=True, scheduler_metadata=None, max_num_splits=0, use_cascade=False, **fields
+        )
+    raise NotImplementedError(
+        f"RidgeFill has no subset attention for {name}; serve with the CPU or FlashAttention backend"
+    )

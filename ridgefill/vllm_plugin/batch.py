@@ -120,4 +120,6 @@ def patch_model_runner() -> None:
 def bulk_rows(rows: StepRows) -> StepRows:
     """The bulk rows of a step as their own runs (plumb mode runs the whole layer for them too)."""
     bulk = ~rows.protected[: rows.num_tokens]
-    return StepRows(rows.num_tokens, bulk, rows.req_of_token, rows.positions, _runs(bulk, rows.req_of_token, rows.positions))
+    return StepRows(
+        rows.num_tokens, bulk, rows.req_of_token, rows.positions, _runs(bulk, rows.req_of_token, rows.positions)
+    )

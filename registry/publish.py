@@ -1,0 +1,277 @@
+"""Publish a map folder with its card, and publish the best map of a finished study from DuckDB.
+
+`publish_best` reads the study's row from the `best_maps` table or view, publishes the map, and records
+the repo, revision (the study's tag) and commit sha in the `publications` table. The DuckDB file is opened
+read-only while the upload runs and written once, in one transaction, afterwards, so a long upload never
+holds the single-writer lock that the tuner needs.
+
+Expected `best_maps` columns (the pipeline's `ridgefill/results.py` owns the schema; aliases are accepted):
+    study (or study_name)                       the study's name
+    map_path (or maps_path, map_dir, path)      the map folder
+    ruler, ttft, dnll (JSON, STRUCT or MAP)     metric dicts for the card, and/or
+    ruler_*, ttft_*, dnll_* (numbers)           flat metric columns, grouped by prefix
+    metrics (JSON)                              {"ruler": {...}, "ttft": {...}, "dnll": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+from huggingface_hub import get_token
+
+from registry.base import Backend, Publication, RegistryError, tag_for
+from registry.card import EMBEDDED_BASE, GROUPS, make_card
+from registry.hub import HubBackend
+from registry.local import LocalBackend
+from ridgefill.maps import read_manifest
+
+log = logging.getLogger(__name__)
+STUDY_COLUMNS = ("study", "study_name")
+PATH_COLUMNS = ("map_path", "maps_path", "map_dir", "path")
+ALIASES = {"speedup": ("ttft", "overall")}  # the pipeline's maps.speedup
+PUBLICATIONS_DDL = """
+CREATE TABLE IF NOT EXISTS publications (
+    study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
+    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, PRIMARY KEY (repo_id, revision)
+)"""
+PUBLICATION_COLS = ("study", "repo_id", "revision", "commit_sha", "backend", "url", "map_path", "published_at")
+
+
+def default_backend(kind: str | None = None, root: Path | None = None) -> Backend:
+    """`hub` when a Hub token or endpoint is configured (or asked for), else the local folder registry."""
+    kind = kind or os.environ.get("RIDGEFILL_REGISTRY_BACKEND", "auto")
+    if kind == "local":
+        return LocalBackend(root)
+    if kind == "hub":
+        return HubBackend()
+    if kind != "auto":
+        raise RegistryError(f"unknown registry backend {kind!r} (auto | local | hub)")
+    if os.environ.get("HF_ENDPOINT") or get_token():
+        return HubBackend()
+    return LocalBackend(root)
+
+
+def publish(
+    folder: Path,
+    repo_id: str,
+    results: Mapping | None = None,
+    *,
+    study: str | None = None,
+    backend: Backend | None = None,
+    base_model: str | None = None,
+    base_revision: str | None = None,
+    license: str | None = None,
+) -> Publication:
+    """Publish a verified map folder with a generated card; a study gets its own tag."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    backend = backend or default_backend()
+    card = make_card(
+        manifest,
+        results or {},
+        repo_id,
+        base_model=base_model,
+        base_revision=base_revision,
+        license=license,
+        study=study,
+    )
+    tag = tag_for(study) if study else None
+    message = f"RidgeFill {manifest['kind']} maps, S={manifest['split']}" + (f", study {study}" if study else "")
+    pub = backend.publish(folder, repo_id, str(card), tag=tag, message=message)
+    log.info("published %s as %s@%s (commit %s)", folder, pub.repo_id, pub.revision, pub.commit_sha)
+    return pub
+
+
+def _pick(columns: Iterable[str], names: tuple[str, ...], what: str) -> str:
+    found = next((c for c in names if c in columns), None)
+    if found is None:
+        raise RegistryError(f"best_maps has no {what} column (one of {', '.join(names)})")
+    return found
+
+
+def _as_dict(value) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return json.loads(value)
+    return dict(value)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def results_of(row: Mapping) -> dict:
+    """The card's results dict from a row: JSON/STRUCT group columns and prefixed number columns."""
+    results: dict = {g: {} for g in GROUPS}
+    results.update({g: v for g, v in _as_dict(row.get("metrics")).items() if g in GROUPS})
+    for col, value in row.items():
+        if col in GROUPS and _number(value):
+            results[col]["mean"] = value
+        elif col in GROUPS and value is not None:
+            results[col] = {**results[col], **_as_dict(value)}
+        elif col in ALIASES and _number(value):
+            results[ALIASES[col][0]][ALIASES[col][1]] = value
+        elif (group := col.split("_", 1)[0]) in GROUPS and "_" in col and _number(value):
+            results[group][col.split("_", 1)[1]] = value
+    return {g: v for g, v in results.items() if v}
+
+
+def _metric_rows(con, study: str, trial: int) -> dict:
+    """RULER / TTFT / NLL rows of the pipeline's `metrics` table for one trial, nested for the card."""
+    rows = con.execute(
+        "SELECT kind, task, length, region, value FROM metrics WHERE study = ? AND trial = ? AND plan <> 'exact'",
+        [study, trial],
+    ).fetchall()
+    out: dict = {g: {} for g in GROUPS}
+    for kind, task, length, region, value in rows:
+        group = {"nll": "dnll"}.get(kind, kind)
+        if group not in GROUPS or value is None:
+            continue
+        leaf = out[group].setdefault(task, {})
+        if region in (None, "all") and group != "ruler":
+            leaf[str(length)] = value
+        else:
+            leaf.setdefault(str(length), {})[region] = value
+    return out
+
+
+def _tables(con) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
+def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict, dict]:
+    """(map folder, results, row) of a study's best map.
+
+    Reads `best_maps` when it exists (one row per study); otherwise the pipeline's schema
+    (`ridgefill/results.py`): the study's chosen row of `maps` (or the row of `map_path`), its trial's dNLL,
+    and its rows of `metrics`.
+    """
+    tables = _tables(con)
+    if "best_maps" in tables:
+        columns = [r[0] for r in con.execute("DESCRIBE best_maps").fetchall()]
+        study_col = _pick(columns, STUDY_COLUMNS, "study")
+        path_col = _pick(columns, PATH_COLUMNS, "map folder")
+        cur = con.execute(f'SELECT * FROM best_maps WHERE "{study_col}" = ?', [study])
+    elif "maps" in tables:
+        path_col = "path"
+        sql = "SELECT m.*, t.dnll AS dnll_mean FROM maps m LEFT JOIN trials t USING (study, trial) WHERE m.study = ?"
+        cur = con.execute(
+            sql + (" AND m.path = ?" if map_path else " AND m.chosen"), [study, *filter(None, [map_path])]
+        )
+    else:
+        raise RegistryError("the results file has neither a best_maps view nor a maps table")
+    names, rows = [d[0] for d in cur.description], cur.fetchall()
+    if not rows:
+        raise RegistryError(f"study {study!r} has no best map recorded (is it finished?)")
+    if len(rows) > 1:
+        raise RegistryError(f"study {study!r} has {len(rows)} best-map rows; expected one")
+    row = dict(zip(names, rows[0], strict=True))
+    results = results_of(row)
+    if "metrics" in tables and row.get("trial") is not None:
+        for group, values in _metric_rows(con, study, row["trial"]).items():
+            results[group] = {**values, **results.get(group, {})}
+    return Path(map_path or row[path_col]), {g: v for g, v in results.items() if v}, row
+
+
+def _connect(db_path: Path):
+    """The results file through the pipeline's `connect` (same configuration as its Recorder, so that a
+    publish inside the tuning flow shares the Recorder's database instance instead of failing to open it)."""
+    from ridgefill.results import connect
+
+    return connect(db_path)
+
+
+def best_map(db_path: Path, study_name: str, map_path: str | None = None) -> tuple[Path, dict]:
+    """(map folder, results) of a study's best map."""
+    with _connect(db_path) as con:
+        folder, results, _ = study_map(con, study_name, map_path)
+    return folder, results
+
+
+def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]) -> None:
+    """Record publications in one transaction with one batched INSERT (keyed by repo and revision)."""
+    from ridgefill.results import insert_rows
+
+    now = datetime.now(UTC)
+    values = [(s, p.repo_id, p.revision, p.commit_sha, p.backend, p.url, str(m), now) for s, p, m in rows]
+    with _connect(db_path) as con:
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute(PUBLICATIONS_DDL)
+            insert_rows(con, "publications", PUBLICATION_COLS, values)
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+
+
+def base_of(db_path: Path, study: str, row: Mapping) -> dict:
+    """Card defaults from the results file: the base model (a Hub id) and its revision from `studies`."""
+    with _connect(db_path) as con:
+        found = (
+            con.execute("SELECT model, revision FROM studies WHERE study = ?", [study]).fetchall()
+            if ("studies" in _tables(con))
+            else []
+        )
+    model, revision = found[0] if found else (row.get("model"), None)
+    return {"base_model": model, "base_revision": revision} if model and "/" in str(model) else {}
+
+
+def default_repo(backend: Backend, base_model: str | None) -> str:
+    """`$RIDGEFILL_REPO`, else `<owner>/<base model name>-ridgefill` (owner: "local", or the token's user)."""
+    if repo := os.environ.get("RIDGEFILL_REPO"):
+        return repo
+    name = (base_model or EMBEDDED_BASE).split("/")[-1].lower()
+    return f"{backend.owner()}/{name}-ridgefill"
+
+
+def publish_best(
+    db_path: Path | None = None,
+    study_name: str | None = None,
+    repo_id: str | None = None,
+    backend: Backend | None = None,
+    *,
+    db: Path | None = None,
+    study: str | None = None,
+    map_path: str | None = None,
+    **card: str | None,
+) -> Publication:
+    """Publish the best map of a finished study under the study's tag and record it in `publications`.
+
+    `db`, `study` and `map_path` are the keyword names the tuning flow uses; `map_path` picks the study's
+    row of that map instead of its chosen one.
+    """
+    db_path, study_name = db_path or db, study_name or study
+    if db_path is None or not study_name:
+        raise RegistryError("publish_best needs the results file and the study name")
+    return _publish_rows(Path(db_path), [(study_name, map_path)], repo_id, backend, card)[0]
+
+
+def publish_studies(
+    db_path: Path,
+    studies: list[str],
+    repo_id: str | None = None,
+    backend: Backend | None = None,
+    **card: str | None,
+) -> list[Publication]:
+    """Publish the best map of each study (one tag each), then record them all in one batch insert."""
+    return _publish_rows(Path(db_path), [(s, None) for s in studies], repo_id, backend, card)
+
+
+def _publish_rows(db_path, wanted, repo_id, backend, card) -> list[Publication]:
+    backend = backend or default_backend()
+    done = []
+    for study, map_path in wanted:
+        with _connect(db_path) as con:
+            folder, results, row = study_map(con, study, map_path)
+        kw = {**base_of(db_path, study, row), **{k: v for k, v in card.items() if v is not None}}
+        repo = repo_id or default_repo(backend, kw.get("base_model"))
+        done.append((study, publish(folder, repo, results, study=study, backend=backend, **kw), folder))
+    record_publications(db_path, done)  # after every upload: the write lock is never held across the network
+    return [p for _, p, _ in done]

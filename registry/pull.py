@@ -1,0 +1,77 @@
+"""Pull a published map folder and verify it before anything uses it.
+
+Checks, in order: the manifest reads; every file it lists has its sha256; nothing unlisted sits beside them
+(README.md is a doc and never hashed, since the Hub rewrites cards); and, given the model to serve, its
+fingerprint (geometry + tokenizer) matches. A folder failing any check raises `MapError` and is not returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx2
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+from registry.base import IGNORED, Backend, RegistryError
+from registry.card import EMBEDDED_BASE
+from ridgefill.default_model import DEFAULT_MODEL_NAME
+from ridgefill.maps import DOCS, MANIFEST, MapError, check_model, read_manifest, verify_files
+
+log = logging.getLogger(__name__)
+
+
+def verify_snapshot(path: Path, model=None, tokenizer=None) -> dict:
+    """The manifest of a pulled folder, once its files (and, given a model, its fingerprint) check out."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    extra = sorted({p.name for p in path.iterdir()} - set(manifest["files"]) - {MANIFEST} - set(DOCS) - IGNORED)
+    if extra:
+        raise MapError(f"{path}: files not listed in the manifest: {', '.join(extra)}")
+    if model is not None:
+        if tokenizer is None:
+            raise ValueError("checking maps against a model needs its tokenizer too")
+        check_model(manifest, model, tokenizer)
+    return manifest
+
+
+def find(backend: Backend, base_model: str) -> list[str]:
+    """Repos in the backend whose card names `base_model`; empty when the backend cannot be searched (offline)."""
+    try:
+        return backend.find(base_model)
+    except (OfflineModeIsEnabled, HfHubHTTPError, httpx2.TransportError) as e:
+        log.info("cannot search %r for %s (%s); taking it as a repo id", backend, base_model, type(e).__name__)
+        return []
+
+
+def resolve(name: str, backend: Backend) -> str:
+    """A repo id from a repo id or a model name ("default" = the embedded SmolLM2's Hub id)."""
+    base = EMBEDDED_BASE if name in ("default", DEFAULT_MODEL_NAME) else name
+    found = find(backend, base)
+    if len(found) > 1:
+        raise RegistryError(f"several map repos are for {base}: {', '.join(found)}; pass one of them")
+    if found:
+        return found[0]
+    if "/" not in name:
+        raise RegistryError(f"no published maps for {base!r} in {backend!r}")
+    return name
+
+
+def pull(
+    repo_id_or_model_name: str,
+    revision: str | None = None,
+    model=None,
+    tokenizer=None,
+    *,
+    backend: Backend | None = None,
+) -> Path:
+    """Download (or find in the cache) a map folder and return its path only after it verifies."""
+    from registry.publish import default_backend
+
+    backend = backend or default_backend()
+    repo_id = resolve(repo_id_or_model_name, backend)
+    path = backend.download(repo_id, revision)
+    verify_snapshot(path, model, tokenizer)
+    log.info("pulled %s@%s -> %s (verified)", repo_id, revision or "main", path)
+    return path

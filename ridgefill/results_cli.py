@@ -1,0 +1,75 @@
+"""`ridgefill results [--sql ...]` and `ridgefill tune --study ...`, registered on the main typer app."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_SQL = {
+    "trials": "SELECT study, trial, state, split, lam, tail, share, ruler_delta, speedup, dnll, feasible "
+    "FROM trials ORDER BY study, trial",
+    "pareto": "SELECT study, trial, split, lam, tail, share, ruler_delta, speedup FROM pareto ORDER BY study, speedup",
+    "best map": "SELECT model, study, trial, path, ruler_delta, speedup, published FROM best_map ORDER BY model",
+}
+
+
+def default_db() -> Path:
+    from ridgefill.default_model import cache_root
+
+    work = Path(os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
+    return Path(os.environ.get("RIDGEFILL_DB") or work / "ridgefill.duckdb")
+
+
+def _flow():
+    """flows/tune.py of this checkout (the flows live beside the package, not inside it)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "flows" / "tune.py"
+    if not path.is_file():
+        raise typer.BadParameter(f"{path} not found: run `ridgefill tune` from a RidgeFill checkout")
+    spec = importlib.util.spec_from_file_location("ridgefill_flows_tune", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `results` and `tune` commands to `app`."""
+
+    @app.command()
+    def results(
+        sql: Annotated[str | None, typer.Option(help="read-only SQL; default: trials, Pareto front, best maps")] = None,
+        db: Annotated[Path | None, typer.Option(help="results file (default: $RIDGEFILL_DB or the cache)")] = None,
+    ) -> None:
+        """Print tables from the tuning results (DuckDB, opened read-only)."""
+        from ridgefill.results import markdown, query
+
+        path = db or default_db()
+        if not path.is_file():
+            raise typer.BadParameter(f"no results file at {path}", param_hint="--db")
+        queries = {"query": sql} if sql else DEFAULT_SQL
+        for title, q in queries.items():
+            if not sql:
+                typer.echo(f"\n## {title}\n")
+            typer.echo(markdown(*query(path, q)))
+
+    @app.command()
+    def tune(
+        study: Annotated[str, typer.Option(help="study file or name under studies/")] = "studies/smollm2-135m.yaml",
+        db: Annotated[Path | None, typer.Option(help="results file")] = None,
+        work: Annotated[Path | None, typer.Option(help="captures, maps, Optuna journal and reports")] = None,
+        storage: Annotated[str | None, typer.Option(help="Optuna storage: .journal path or postgresql:// URL")] = None,
+        overrides: Annotated[str | None, typer.Option(help='JSON merged into the study ({"budget":...})')] = None,
+        publish: Annotated[bool, typer.Option(help="publish the chosen map when registry is importable")] = True,
+    ) -> None:
+        """Run the tune flow here (Prefect's ephemeral mode unless PREFECT_API_URL is set)."""
+        flow = _flow()
+        out = flow.tune(
+            study, json.loads(overrides) if overrides else None, str(db) if db else None, str(work) if work else None,
+            storage, publish,
+        )  # fmt: skip
+        typer.echo(json.dumps(out, indent=2))

@@ -1,0 +1,161 @@
+"""End to end: a real Prefect server on loopback, a process worker, `prefect deploy --all`, then
+`prefect deployment run tune/smollm2-135m --watch` with a tiny budget; a second run hits the caches.
+
+The run must leave trials, a Pareto row and a chosen map in DuckDB, and the map folder on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ridgefill.maps import MANIFEST, read_manifest, verify_files
+from ridgefill.results import query
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = shutil.which("prefect") or str(Path(sys.executable).with_name("prefect"))
+TINY = {
+    "calibration": {"tokens": 2048, "window": 256, "heldout": 1},
+    "search": {"splits": [18, 20], "tails": [32, 64]},
+    "objectives": {
+        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1},
+        "nll": {"documents": 0},
+        "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
+    },
+    "budget": {"trials": 2},
+    "hardware": {"threads": 1},
+}
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group we started (the worker ignores it outside its own group), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _cli(env: dict, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    out = subprocess.run([PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    return out
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    port = _free_port()
+    env = os.environ | {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "OMP_NUM_THREADS": "1",
+        "PWD": str(ROOT),  # prefect.yaml's pull step records the checkout through $PWD
+        "RIDGEFILL_WORK": str(tmp_path / "work"),
+    }
+    log = open(tmp_path / "server.log", "w")
+    cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off"]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 120 s"
+            time.sleep(0.5)
+        yield env
+    finally:
+        _stop(server)
+        log.close()
+
+
+def _runs(env: dict) -> list[dict]:
+    r = httpx.post(env["PREFECT_API_URL"] + "/flow_runs/filter", json={"sort": "EXPECTED_START_TIME_ASC"})
+    return r.json()
+
+
+def _task_states(env: dict, flow_run_id: str, name: str) -> list[str]:
+    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": {"name": {"like_": name}}}
+    r = httpx.post(env["PREFECT_API_URL"] + "/task_runs/filter", json=body)
+    return [t["state"]["name"] for t in r.json()]
+
+
+def test_deployment_run_end_to_end(prefect_server, tmp_path):
+    env = prefect_server
+    for pool in ("cpu-process", "gpu-process"):
+        _cli(env, "work-pool", "create", pool, "--type", "process")
+    _cli(env, "--no-prompt", "deploy", "--all", timeout=300)
+    deps = {d["name"]: d for d in httpx.post(env["PREFECT_API_URL"] + "/deployments/filter", json={}).json()}
+    assert {"smollm2-135m", "qwen3-8b", "llama-3.1-8b", "nightly"} <= set(deps)
+    assert deps["nightly"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+
+    wlog = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "cpu-process", "--type", "process"],
+        cwd=ROOT, env=env, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    db = tmp_path / "results.duckdb"
+    params = json.dumps({"overrides": TINY, "db": str(db), "publish": False})
+    try:
+        for attempt in (1, 2):  # the second run finds the budget spent and the capture cached
+            run = subprocess.run(
+                [PREFECT, "deployment", "run", "tune/smollm2-135m", "--params", params, "--watch",
+                 "--watch-timeout", "600"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=660,
+            )  # fmt: skip
+            assert run.returncode == 0, (
+                f"run {attempt} failed:\n{run.stdout[-3000:]}\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
+            )
+    finally:
+        _stop(worker)
+        wlog.close()
+
+    runs = [r for r in _runs(env) if r["deployment_id"] == deps["smollm2-135m"]["id"]]
+    assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"]
+    assert _task_states(env, runs[0]["id"], "capture") == ["Completed"]
+    assert _task_states(env, runs[1]["id"], "capture") == ["Cached"]  # no recapture on a rerun
+    assert _task_states(env, runs[1]["id"], "exact_ruler") == ["Cached"]
+    assert _task_states(env, runs[1]["id"], "run_trial") == []  # the budget was spent by the first run
+
+    _, trials = query(db, "SELECT trial, state, split, lam, ruler_delta, speedup FROM trials ORDER BY trial")
+    assert [t[:2] for t in trials] == [(0, "COMPLETE"), (1, "COMPLETE")]
+    assert all(t[5] > 0 for t in trials)
+    _, metrics = query(db, "SELECT count(*) FROM metrics WHERE kind = 'ruler' AND trial >= 0")
+    assert metrics[0][0] >= 2
+    _, pareto = query(db, "SELECT trial FROM pareto")
+    assert pareto
+    _, best = query(db, "SELECT model, trial, path, manifest_sha256 FROM best_map")
+    assert len(best) == 1 and best[0][0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = Path(best[0][2])
+    verify_files(folder, read_manifest(folder))
+    assert (folder / MANIFEST).is_file()
+    report = Path(env["RIDGEFILL_WORK"]) / "smollm2-135m"
+    assert (report / "pareto.png").stat().st_size > 1000 and "**" in (report / "pareto.md").read_text()
+    arts = httpx.post(env["PREFECT_API_URL"] + "/artifacts/filter", json={}).json()
+    assert {"smollm2-135m-pareto", "smollm2-135m-pareto-plot"} <= {a["key"] for a in arts}

