@@ -33,12 +33,17 @@ def load_model(
     """A causal LM and its tokenizer; `default` is the embedded SmolLM2-135M-Instruct."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_dir() if str(model) == DEFAULT else model
+    path = model_path(model)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     lm = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
     )
     return lm.to(device).eval(), tok
+
+
+def model_path(model: str | Path) -> str | Path:
+    """`default` is the embedded SmolLM2 (converted on first use); anything else is passed through."""
+    return default_model_dir() if str(model) == DEFAULT else model
 
 
 def calibration_windows(

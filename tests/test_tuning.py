@@ -130,12 +130,14 @@ def test_killed_trial_resumes_without_duplicates(tmp_path):
     assert n == [(4, 4)]
 
 
-def test_vllm_engine_is_a_clear_error_until_it_lands():
-    from ridgefill.evals import ttft
+def test_engine_names_are_checked_early(monkeypatch):
+    with pytest.raises(RuntimeError, match="engine 'tensorrt' is unknown"):
+        tuning.check_engine("tensorrt")
+    import importlib.util
 
-    if hasattr(ttft, "vllm_engine"):
-        pytest.skip("the vLLM engine has landed")
-    with pytest.raises(RuntimeError, match="engine 'vllm' is not available yet"):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(RuntimeError, match="engine 'vllm' needs vLLM installed"):
         tuning.check_engine("vllm")
 
 

@@ -182,3 +182,17 @@ def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
     assert got["ridgefill_active"]
     plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
     assert_matches(got["results"][0], reference(model, ids, plan))
+
+
+def test_ttft_cli_on_vllm_engine(setup, tmp_path):
+    """`ridgefill eval ttft --engine vllm` pairs exact and RidgeFill on one engine (values are not asserted)."""
+    s = setup
+    proc = subprocess.run(
+        [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", "--engine", "vllm", "--model", s["model"],
+         "--maps", s["maps"], "--length", "300", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path / "t.json")],
+        capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["config"]["engine"] == "vllm" and result["lengths"]["300"]["fill_median_s"] > 0

@@ -161,7 +161,8 @@ def ttft(
     tail: int | None = None,
     share: float | None = None,
     length: Lengths = [2048, 4096],  # noqa: B006
-    engine: Annotated[str, typer.Option(help="transformers (vllm: see the vLLM runtime)")] = "transformers",
+    engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
+    chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
     repeats: int = 5,
     warmup: int = 1,
     out: Path | None = None,
@@ -169,11 +170,26 @@ def ttft(
     """Paired TTFT, exact vs the plan on the same engine in this process: medians, ratio and its CI."""
     from ridgefill.evals.ttft import paired_ttft, transformers_engine
 
-    if engine != "transformers":
-        raise typer.BadParameter(f"engine {engine!r} is not available yet", param_hint="--engine")
-    lm, tok, ms = _load(model, maps)
-    plan = _plan(ms, mode, split, sink, tail, share)
-    run = transformers_engine(lm)
+    if engine == "transformers":
+        lm, tok, ms = _load(model, maps)
+        plan = _plan(ms, mode, split, sink, tail, share)
+        run = transformers_engine(lm)
+    elif engine == "vllm":
+        if maps is None:
+            raise typer.BadParameter("the vllm engine serves a map folder: give --maps", param_hint="--maps")
+        from ridgefill.maps import load_maps
+        from ridgefill.steps import model_path
+        from ridgefill.vllm_plugin.offline import make_llm, ttft_engine
+
+        path = str(model_path(model))
+        options = {k: v for k, v in {"sink": sink, "tail": tail, "share": share}.items() if v is not None}
+        llm = make_llm(path, str(maps), chunk=chunk, max_model_len=max(length) + 16, options=options)
+        ms = load_maps(maps)
+        tok = llm.get_tokenizer()
+        plan = _plan(ms, "ridge", None, sink, tail, share)
+        run = ttft_engine(llm)
+    else:
+        raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
     typer.echo("| tokens | exact median s | fill median s | speed-up | 95% CI |\n|---|---|---|---|---|")
     for n in length:

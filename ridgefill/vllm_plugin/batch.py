@@ -97,7 +97,7 @@ def patch_model_runner() -> None:
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
         model = self.get_model()
         state = getattr(model, "ridgefill", None)
-        if state is None or positions is None:
+        if state is None or not state.enabled or positions is None:
             return original(self, input_ids, positions, *args, **kwargs)
         batch = self.input_batch
         n = batch.num_reqs

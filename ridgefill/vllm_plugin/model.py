@@ -40,6 +40,7 @@ class ServeState:
     classifier: RowClassifier
     kv: dict[tuple[int, str, str], Tensor]
     rows: StepRows | None = None
+    enabled: bool = True  # off: serve stock (paired TTFT on one engine)
 
     @property
     def split(self) -> int:
@@ -131,7 +132,7 @@ class RidgeFillMixin:
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         st = self.ridgefill
         rows = st.rows if st is not None else None
-        if rows is None or not rows.any_bulk or input_ids is None:
+        if rows is None or not st.enabled or not rows.any_bulk or input_ids is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
         return self._ridgefill_forward(input_ids, positions, st, rows)
 

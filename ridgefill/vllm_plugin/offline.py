@@ -57,6 +57,29 @@ def make_llm(
     )
 
 
+def served_model(llm):
+    """The model object of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def ttft_engine(llm):
+    """TTFT on one vLLM engine: RidgeFill is switched off for `exact` plans, so A and B share everything."""
+    from vllm import SamplingParams, TokensPrompt
+
+    state = served_model(llm).ridgefill
+    if state is None:
+        raise RuntimeError("the engine serves no RidgeFill maps (see its warning)")
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run(ids, plan) -> float:
+        state.enabled = plan.mode != "exact"
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids[0].tolist())], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    return run
+
+
 def run_case(case: dict) -> dict:
     """Greedy-generate for the prompts (token id lists); return tokens, top logprobs of the first token."""
     from vllm import SamplingParams, TokensPrompt
