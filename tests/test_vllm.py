@@ -127,10 +127,13 @@ def test_ridge_equals_reference(setup, chunk):
 
 def test_ridge_chunk256_batched_with_decode_and_share(setup):
     """Two requests in one engine with 256-token chunks: the short one decodes while the long one is
-    still prefilling, and a score-selected share of rows is protected."""
+    still prefilling, and a score-selected share of rows is protected. Prefix caching is asked for and
+    RidgeFill turns it off."""
     s = setup
-    got = run_vllm(s["root"], "batched", _case(s, s["prompts"][::-1], s["maps"], chunk=256, share=0.1))
+    case = _case(s, s["prompts"][::-1], s["maps"], chunk=256, share=0.1) | {"prefix_caching": True}
+    got = run_vllm(s["root"], "batched", case)
     assert got["ridgefill_active"]
+    assert got["prefix_caching"] is False and "prefix caching turned off" in got["log"]  # RidgeFill turns it off
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.1)
     for prompt, result in zip(s["prompts"][::-1], got["results"], strict=True):
         assert_matches(result, reference(s["lm"], prompt, plan))

@@ -75,6 +75,10 @@ class RidgeFillMixin:
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
+        if vllm_config.cache_config.enable_prefix_caching:
+            # a block written from predicted K/V must never be reused as exact K/V by another request
+            vllm_config.cache_config.enable_prefix_caching = False
+            log.warning("RidgeFill: prefix caching turned off (filled K/V blocks must not be shared)")
         self._rf_pending = (maps, tok)
         self._rf_cfg = cfg
         self._rf_dtype = mc.dtype

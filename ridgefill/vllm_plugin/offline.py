@@ -28,6 +28,7 @@ def make_llm(
     dtype: str = "float32",
     options: dict | None = None,
     kv_space_gib: int = 2,
+    prefix_caching: bool = False,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -49,7 +50,7 @@ def make_llm(
         enforce_eager=True,
         max_model_len=max_model_len,
         seed=0,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
         enable_chunked_prefill=True,
         max_num_batched_tokens=chunk or max_model_len,
         max_num_seqs=8,
@@ -90,23 +91,22 @@ def run_case(case: dict) -> dict:
         chunk=case.get("chunk"),
         max_model_len=case.get("max_model_len", 4096),
         options=case.get("options"),
+        prefix_caching=case.get("prefix_caching", False),
     )
     params = SamplingParams(temperature=0.0, max_tokens=case.get("max_tokens", 8), logprobs=case.get("logprobs", 5))
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params, use_tqdm=False)
     wall = time.perf_counter() - t
-    model = (
-        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        if hasattr(llm.llm_engine, "model_executor")
-        else None
-    )
-    active = getattr(model, "ridgefill", None) is not None if model is not None else None
+    active = getattr(served_model(llm), "ridgefill", None) is not None
     results = []
     for o in outs:
         c = o.outputs[0]
         first = {int(t): float(lp.logprob) for t, lp in c.logprobs[0].items()} if c.logprobs else {}
         results.append({"tokens": list(c.token_ids), "first_logprobs": first})
-    return {"results": results, "wall_s": wall, "ridgefill_active": active}
+    core = getattr(llm.llm_engine, "engine_core", None)
+    scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    caching = getattr(getattr(scheduler, "kv_cache_manager", None), "enable_caching", None)
+    return {"results": results, "wall_s": wall, "ridgefill_active": active, "prefix_caching": caching}
 
 
 def main() -> None:
