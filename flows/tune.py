@@ -70,6 +70,7 @@ def _publish(cfg: Study, best: dict, db: Path, log) -> str | None:
     with Recorder(db) as rec:
         rec.published(cfg.name, best["chosen"], str(where))
     log.info("published the chosen map: %s", where)
+    log.info("pulled back and served: %s", tasks.serve_pulled(cfg, where, best["best_map"]))
     return str(where)
 
 

@@ -226,3 +226,32 @@ __all__ = [
     "run_trial",
     "select_best",
 ]
+
+
+@task(cache_policy=NO_CACHE)
+def serve_pulled(cfg: Study, publication, local_map: str) -> str:
+    """Pull the published map back through the registry (every check), serve a prompt with it, and make
+    sure it decodes exactly as the folder that was measured."""
+    from registry import pull
+    from ridgefill.maps import load_maps
+    from ridgefill.runtime import FillPlan, generate
+
+    path = cfg.model.local if cfg.model.local and cfg.model.local != "default" else None
+    lm, tok = model(path or _default_dir(), cfg.model.dtype, cfg.hardware.device)
+    pulled = pull(publication.repo_id, publication.revision, lm, tok)
+    ids = torch.tensor([tok(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
+    outs = []
+    for folder in (pulled, local_map):
+        ms = load_maps(folder, lm, tok)
+        d = ms.manifest["defaults"]
+        plan = FillPlan("ridge", maps=ms, sink=d["sink"], tail=min(d["tail"], 32), share=d["share"])
+        outs.append(generate(lm, ids.to(lm.device), plan, 8)[0].tolist())
+    if outs[0] != outs[1]:
+        raise RuntimeError(f"the pulled map {pulled} decodes differently from the measured one {local_map}")
+    return f"{pulled} ({len(outs[0])} tokens, identical to the measured map)"
+
+
+def _default_dir() -> str:
+    from ridgefill.default_model import default_model_dir
+
+    return str(default_model_dir())

@@ -107,7 +107,8 @@ def _task_states(env: dict, flow_run_id: str, name: str) -> list[str]:
 
 
 def test_deployment_run_end_to_end(prefect_server, tmp_path):
-    env = prefect_server
+    registry_dir = tmp_path / "registry"
+    env = {**prefect_server, "RIDGEFILL_REGISTRY_BACKEND": "local", "RIDGEFILL_REGISTRY": str(registry_dir)}
     for pool in ("cpu-process", "gpu-process"):
         _cli(env, "work-pool", "create", pool, "--type", "process")
     _cli(env, "--no-prompt", "deploy", "--all", timeout=300)
@@ -121,9 +122,9 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
         cwd=ROOT, env=env, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     db = tmp_path / "results.duckdb"
-    params = json.dumps({"overrides": TINY, "db": str(db), "publish": False})
     try:
         for attempt in (1, 2):  # the second run finds the budget spent and the capture cached
+            params = json.dumps({"overrides": TINY, "db": str(db), "publish": attempt == 1})
             run = subprocess.run(
                 [PREFECT, "deployment", "run", "tune/smollm2-135m", "--params", params, "--watch",
                  "--watch-timeout", "600"],
@@ -159,3 +160,7 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
     assert (report / "pareto.png").stat().st_size > 1000 and "**" in (report / "pareto.md").read_text()
     arts = httpx.post(env["PREFECT_API_URL"] + "/artifacts/filter", json={}).json()
     assert {"smollm2-135m-pareto", "smollm2-135m-pareto-plot"} <= {a["key"] for a in arts}
+    # the first run published the chosen map to the local registry, pulled it back and served it
+    _, pubs = query(db, "SELECT repo_id, revision, commit_sha FROM publications")
+    assert len(pubs) == 1 and pubs[0][1] == "smollm2-135m"
+    assert "pulled back and served" in (tmp_path / "worker.log").read_text()
