@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from ridgefill import steps
@@ -164,7 +163,6 @@ def demo(
     max_windows: int = 64,
 ) -> None:
     """The main job on the embedded default: capture SmolLM2 on pydoc text, fit maps, compare to identity."""
-    from ridgefill.capture import load_capture  # noqa: F401
     from ridgefill.fit import RidgeSolver
 
     out = out or cache_root() / "maps"
@@ -178,7 +176,6 @@ def demo(
             typer.echo(f"S={s} {kind}: {path}")
         manifest = json.loads((out / f"smollm2-S{s}-ridge" / "ridgefill.json").read_text())
         _print_table(manifest)
-    torch.set_num_threads(torch.get_num_threads())
     typer.echo(f"map folders under {out}")
 
 
