@@ -13,8 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ridgefill.fit import RidgeSolver
-from ridgefill.steps import build_maps, load_model, run_capture
+from ridgefill.steps import build_map_pair, load_model, run_capture
 
 
 def calibration_files(folder: Path) -> list[str]:
@@ -36,11 +35,10 @@ def main() -> None:
     cap = run_capture(model, tok, calibration_files(args.calib), args.splits, max_windows=1000, root=args.root)
     print(f"capture {cap.path}: {cap.meta['windows_done']} windows x {cap.meta['window']} tokens\n")
     for s in args.splits:
-        solver = RidgeSolver.from_stats(cap.stats(s))
-        build_maps(model, tok, cap, s, args.lam, args.out / f"S{s}-identity", kind="identity", solver=solver)
-        path = build_maps(model, tok, cap, s, args.lam, args.out / f"S{s}-ridge", solver=solver)
-        held = json.loads((path / "ridgefill.json").read_text())["fit"]["heldout"]
-        print(f"### S = {s} (lambda {args.lam:g}, {solver.count} rows)\n")
+        path, _ = build_map_pair(model, tok, cap, s, args.lam, args.out / f"S{s}-ridge", args.out / f"S{s}-identity")
+        fit = json.loads((path / "ridgefill.json").read_text())["fit"]
+        held = fit["heldout"]
+        print(f"### S = {s} (lambda {args.lam:g}, {fit['rows']} rows)\n")
         keys = ("h_rel", "k_rel", "v_rel", "k_cos")
         print("| layer | " + " | ".join(f"{k} ridge | {k} identity" for k in keys) + " |")
         print("|---" * (1 + 2 * len(keys)) + "|")

@@ -110,7 +110,7 @@ def _save(path: Path, stats: dict[int, SplitStats], token_counts: Tensor, meta: 
     os.replace(tmp, path / META)
 
 
-def _layer_inputs(model: nn.Module, input_ids: Tensor, wanted: set[int]) -> dict[int, Tensor]:
+def layer_inputs(model: nn.Module, input_ids: Tensor, wanted: set[int]) -> dict[int, Tensor]:
     """Run the base model on one window and return the inputs of the wanted layers ([n, d] each)."""
     ad = adapter_for(model)
     got: dict[int, Tensor] = {}
@@ -192,7 +192,7 @@ def capture(
     ):
         ids = windows[i : i + 1].to(device)
         token_counts += torch.bincount(windows[i], minlength=vocab)[:vocab]
-        inputs = _layer_inputs(model, ids, wanted)
+        inputs = layer_inputs(model, ids, wanted)
         rows = slice(sink_skip, None, stride)
         for s, st in stats.items():
             st.add(inputs[s][rows].cpu(), {l: inputs[l][rows].cpu() for l in st.xy})

@@ -163,19 +163,16 @@ def demo(
     max_windows: int = 64,
 ) -> None:
     """The main job on the embedded default: capture SmolLM2 on pydoc text, fit maps, compare to identity."""
-    from ridgefill.fit import RidgeSolver
-
     out = out or cache_root() / "maps"
     lm, tok = steps.load_model()
     cap = steps.run_capture(lm, tok, "pydoc", splits, max_windows=max_windows)
     typer.echo(f"capture: {cap.path}")
     for s in splits:
-        solver = RidgeSolver.from_stats(cap.stats(s))
-        for kind in ("ridge", "identity"):
-            path = steps.build_maps(lm, tok, cap, s, lam, out / f"smollm2-S{s}-{kind}", kind=kind, solver=solver)
-            typer.echo(f"S={s} {kind}: {path}")
-        manifest = json.loads((out / f"smollm2-S{s}-ridge" / "ridgefill.json").read_text())
-        _print_table(manifest)
+        ridge, identity = steps.build_map_pair(
+            lm, tok, cap, s, lam, out / f"smollm2-S{s}-ridge", out / f"smollm2-S{s}-identity"
+        )
+        typer.echo(f"S={s}: {ridge} (identity baseline: {identity})")
+        _print_table(json.loads((ridge / "ridgefill.json").read_text()))
     typer.echo(f"map folders under {out}")
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from ridgefill.adapters import adapter_for
-from ridgefill.capture import _layer_inputs
+from ridgefill.capture import layer_inputs
 
 
 def _rel(pred: Tensor, true: Tensor) -> float:
@@ -28,7 +28,7 @@ def heldout_metrics(
     sums: dict[int, dict[str, dict[str, float]]] = {}
     for i in range(windows.shape[0]):
         ids = windows[i : i + 1].to(device)
-        inputs = _layer_inputs(model, ids, set(range(split, ad.num_layers)))
+        inputs = layer_inputs(model, ids, set(range(split, ad.num_layers)))
         pos = torch.arange(sink_skip, ids.shape[1], device=device)
         x = inputs[split][sink_skip:]
         cos, sin = ad.rotary(x[None], pos)

@@ -8,7 +8,7 @@ the whole layer against all K/V. The result is an ordinary `DynamicCache`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -131,7 +131,7 @@ def generate(model: nn.Module, input_ids: Tensor, plan: FillPlan, max_new_tokens
     if n < 2:
         raise ValueError("a prompt needs at least two tokens")
     head = input_ids[:, :-1]
-    plan_head = FillPlan(plan.mode, plan.split, plan.maps, plan.sink, max(1, plan.tail - 1), plan.share)
+    plan_head = replace(plan, tail=max(1, plan.tail - 1))
     cache = prefill(model, head, plan_head).cache
     kwargs.setdefault("do_sample", False)
     out = model.generate(

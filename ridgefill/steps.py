@@ -108,6 +108,31 @@ def run_capture(
     )
 
 
+def fit_report(
+    model: nn.Module, tokenizer, cap: Capture, split: int, lam: float, solver: RidgeSolver, heldout_windows: int = 4
+) -> tuple[dict[int, tuple[Tensor, Tensor]], dict]:
+    """(float32 maps, fit provenance with held-out metrics): the work a ridge and an identity folder share."""
+    maps = {l: (w.float(), b.float()) for l, (w, b) in solver.solve(lam).items()}
+    _, held, corpus_sha = calibration_windows(
+        tokenizer, cap.meta["source"], cap.meta["window"], cap.meta["max_windows"], cap.meta["heldout"]
+    )
+    if corpus_sha != cap.meta["corpus_sha256"]:
+        raise ValueError("the calibration corpus changed since this capture was taken")
+    held = held[:heldout_windows]
+    metrics = heldout_metrics(model, held, split, maps)
+    fit = {
+        "corpus_sha256": corpus_sha,
+        "source": cap.meta["source"],
+        "tokens": cap.meta["windows_done"] * cap.meta["window"],
+        "rows": solver.count,
+        "window": cap.meta["window"],
+        "heldout_windows": int(held.shape[0]),
+        "absolute_lambda": solver.absolute_lambda(lam),
+        "heldout": {str(l): m for l, m in metrics.items()},
+    }
+    return maps, fit
+
+
 def build_maps(
     model: nn.Module,
     tokenizer,
@@ -122,34 +147,39 @@ def build_maps(
     defaults: dict | None = None,
     solver: RidgeSolver | None = None,
 ) -> Path:
-    """Fit (or, for kind='identity', skip fitting), measure on held-out windows and write a map folder."""
+    """Fit, measure on held-out windows and write a map folder (kind='identity' writes the baseline)."""
     solver = solver or RidgeSolver.from_stats(cap.stats(split))
-    maps = solver.solve(lam)
-    _, held, corpus_sha = calibration_windows(
-        tokenizer,
-        cap.meta["source"],
-        cap.meta["window"],
-        cap.meta["max_windows"],
-        cap.meta["heldout"],
+    maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
+    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults)
+
+
+def build_map_pair(
+    model: nn.Module,
+    tokenizer,
+    cap: Capture,
+    split: int,
+    lam: float,
+    out_ridge: Path,
+    out_identity: Path,
+    *,
+    heldout_windows: int = 4,
+    dtype: torch.dtype = torch.float32,
+    defaults: dict | None = None,
+) -> tuple[Path, Path]:
+    """The ridge folder and its identity-fill baseline from one fit and one held-out run."""
+    solver = RidgeSolver.from_stats(cap.stats(split))
+    maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
+    return (
+        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults),
+        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults),
     )
-    held = held[:heldout_windows]
-    if corpus_sha != cap.meta["corpus_sha256"]:
-        raise ValueError("the calibration corpus changed since this capture was taken")
-    metrics = heldout_metrics(model, held, split, {l: (w.float(), b.float()) for l, (w, b) in maps.items()})
-    fit = {
-        "corpus_sha256": corpus_sha,
-        "source": cap.meta["source"],
-        "tokens": cap.meta["windows_done"] * cap.meta["window"],
-        "rows": solver.count,
-        "window": cap.meta["window"],
-        "heldout_windows": int(held.shape[0]),
-        "absolute_lambda": solver.absolute_lambda(lam),
-        "heldout": {str(l): m for l, m in metrics.items()},
-    }
-    weights = {} if kind == "identity" else {l: (w.float(), b.float()) for l, (w, b) in maps.items()}
+
+
+def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, kind: str, maps, fit: dict,
+           dtype: torch.dtype, defaults: dict | None) -> Path:  # fmt: skip
     return write_maps(
         out,
-        weights,
+        {} if kind == "identity" else maps,
         fingerprint(model, tokenizer, split),
         split,
         kind=kind,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ridgefill.capture import _layer_inputs, capture, load_capture, split_file
+from ridgefill.capture import capture, layer_inputs, load_capture, split_file
 from ridgefill.corpus import Corpus, token_stream, windows
 
 
@@ -21,7 +21,7 @@ def test_stats_equal_direct_computation(tiny_models, wins, tmp_path):
     cap = capture(model, wins, [2, 3], tmp_path / "c", sink_skip=4, stride=2, progress=False)
     xs, ys = [], []
     for w in wins:
-        inputs = _layer_inputs(model, w[None], {2, 5})
+        inputs = layer_inputs(model, w[None], {2, 5})
         xs.append(inputs[2][4::2].double())
         ys.append(inputs[5][4::2].double())
     x, y = torch.cat(xs), torch.cat(ys)
@@ -33,10 +33,10 @@ def test_stats_equal_direct_computation(tiny_models, wins, tmp_path):
     assert int(cap.token_counts().sum()) == wins.numel()
 
 
-def test_layer_inputs_match_hidden_states(tiny_models, wins):
+def testlayer_inputs_match_hidden_states(tiny_models, wins):
     model = tiny_models["llama"]
     out = model(wins[:1], output_hidden_states=True)
-    inputs = _layer_inputs(model, wins[:1], {1, 4})
+    inputs = layer_inputs(model, wins[:1], {1, 4})
     torch.testing.assert_close(inputs[1], out.hidden_states[1][0])
     torch.testing.assert_close(inputs[4], out.hidden_states[4][0])
 

@@ -123,3 +123,18 @@ def test_anchor_mismatch_only_warns(fitted, tokenizer, caplog):
     with caplog.at_level(logging.WARNING):
         load_maps(path, nudged, tokenizer)
     assert "model.layers.2.input_layernorm.weight differs" in caplog.text
+
+
+def test_map_pair_shares_one_fit(tiny_models, tokenizer, essay_text, tmp_path):
+    """The ridge folder and its identity baseline come from one fit and one held-out run."""
+    from ridgefill.steps import build_map_pair, run_capture
+
+    (tmp_path / "cal.txt").write_text(essay_text[:40000])
+    model = tiny_models["llama"]
+    cap = run_capture(model, tokenizer, [str(tmp_path / "cal.txt")], [2], window=128, max_windows=8, heldout=2,
+                      root=tmp_path, progress=False)  # fmt: skip
+    ridge, ident = build_map_pair(model, tokenizer, cap, 2, 1e-2, tmp_path / "r", tmp_path / "i", heldout_windows=1)
+    mr, mi = load_maps(ridge, model, tokenizer), load_maps(ident, model, tokenizer)
+    assert mr.kind == "ridge" and sorted(mr.weights) == [3, 4, 5]
+    assert mi.kind == "identity" and mi.weights == {} and mi.manifest["lambda"] is None
+    assert mr.manifest["fit"] == mi.manifest["fit"]
