@@ -29,6 +29,11 @@ def write_kv(attn, key: Tensor, value: Tensor) -> None:
 def attend(attn, query: Tensor, rows: StepRows) -> Tensor:
     """Attention output [p, heads * head_dim] for the protected rows' queries [p, heads * head_dim]."""
     meta, layer, kv_cache, _ = get_attention_context(attn.layer_name)
+    return attend_runs(meta, layer, kv_cache, query, rows)
+
+
+def attend_runs(meta, layer, kv_cache: Tensor, query: Tensor, rows: StepRows) -> Tensor:
+    """`attend` on explicit step metadata: one pseudo-request per run of `rows` (the metadata is built once a step)."""
     sub = rows.cache.get("meta")
     if sub is None:
         sub = rows.cache["meta"] = _subset_metadata(meta, layer, rows, query.dtype)
@@ -79,10 +84,9 @@ def _subset_metadata(meta, layer, rows: StepRows, dtype: torch.dtype):
             kv_cache_dtype=layer.impl.kv_cache_dtype,
         )
         return dataclasses.replace(meta, causal=True, dynamic_causal=None, **fields)
-    if name == "FlashAttentionMetadata":  # CUDA; written to the same contract, not run in CI (no GPU there)
-        return dataclasses.replace(
-            meta, causal=True, scheduler_metadata=None, max_num_splits=0, use_cascade=False, **fields
-        )
+    if name == "FlashAttentionMetadata":  # CUDA; CI runs vLLM's FlashAttentionImpl with a torch kernel
+        # no AOT schedule (it describes the whole batch) and no split-KV hint; FA schedules the runs itself
+        return dataclasses.replace(meta, causal=True, scheduler_metadata=None, max_num_splits=0, **fields)
     raise NotImplementedError(
         f"RidgeFill has no subset attention for {name}; serve with the CPU or FlashAttention backend"
     )
