@@ -46,11 +46,14 @@ def main() -> None:
         plans[f"identity S={s}"] = FillPlan("identity", split=s, sink=args.sink, tail=args.tail)
         maps = load_maps(args.maps / f"S{s}-ridge", model, tok)
         for share in args.shares:
-            plans[f"ridge S={s} share={share:g}"] = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail,
-                                                              share=share)
+            plans[f"ridge S={s} share={share:g}"] = FillPlan(
+                "ridge", maps=maps, sink=args.sink, tail=args.tail, share=share
+            )
     regions = [region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail) for x in samples]
-    print(f"{args.task} at {args.length} tokens, {len(samples)} samples, sink {args.sink}, tail {args.tail}; "
-          f"needle regions: {', '.join(f'{r}={regions.count(r)}' for r in sorted(set(regions)))}\n")
+    print(
+        f"{args.task} at {args.length} tokens, {len(samples)} samples, sink {args.sink}, tail {args.tail}; "
+        f"needle regions: {', '.join(f'{r}={regions.count(r)}' for r in sorted(set(regions)))}\n"
+    )
     print("| config | accuracy (all) | accuracy (needle in bulk rows) |")
     print("|---|---|---|")
     for name, plan in plans.items():
@@ -59,8 +62,11 @@ def main() -> None:
             new = generate(model, torch.tensor([x.input_ids]), plan, x.max_new_tokens)
             scores.append(sample_score(args.task, tok.decode(new[0], skip_special_tokens=True), x.answers))
         bulk = [s for s, r in zip(scores, regions, strict=True) if r == "bulk"]
-        print(f"| {name} | {sum(scores) / len(scores):.1f} | "
-              f"{(sum(bulk) / len(bulk)) if bulk else float('nan'):.1f} (n={len(bulk)}) |", flush=True)
+        print(
+            f"| {name} | {sum(scores) / len(scores):.1f} | "
+            f"{(sum(bulk) / len(bulk)) if bulk else float('nan'):.1f} (n={len(bulk)}) |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

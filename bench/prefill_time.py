@@ -40,8 +40,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tail {args.tail}, sink 4\n")
     print("| tokens | S | exact s (median) | ridge s (median) | speed-up exact/ridge | FLOP bound |")
     print("|---|---|---|---|---|---|")
-    plans = {s: FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), tail=args.tail)
-             for s in args.splits}
+    plans = {
+        s: FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), tail=args.tail) for s in args.splits
+    }
     for n in args.lengths:
         ids = torch.randint(100, tok.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
         for plan in [FillPlan(), *plans.values()]:  # warm-up
@@ -56,6 +57,7 @@ def main() -> None:
             eb = statistics.median(ridge[s])
             bound = speedup_bound(model.config, n, s, int(protected_rows(ids, plan).sum()))
             print(f"| {n} | {s} | {ea:.3f} | {eb:.3f} | {ea / eb:.2f}x | {bound:.2f}x |", flush=True)
+
 
 if __name__ == "__main__":
     main()

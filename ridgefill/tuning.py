@@ -453,10 +453,31 @@ def run_ttft_vllm(model, plan, cfg: Study) -> dict:
     t = cfg.objectives.ttft
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ttft.json")
-        cmd = [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", "--engine", "vllm",
-               "--model", str(model.config._name_or_path), "--maps", str(plan.maps.path),
-               "--sink", str(plan.sink), "--tail", str(plan.tail), "--share", str(plan.share),
-               "--repeats", str(t.repeats), "--warmup", str(t.warmup), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ridgefill.cli",
+            "eval",
+            "ttft",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model.config._name_or_path),
+            "--maps",
+            str(plan.maps.path),
+            "--sink",
+            str(plan.sink),
+            "--tail",
+            str(plan.tail),
+            "--share",
+            str(plan.share),
+            "--repeats",
+            str(t.repeats),
+            "--warmup",
+            str(t.warmup),
+            "--out",
+            out,
+        ]
         for n in t.lengths:
             cmd += ["--length", str(n)]
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

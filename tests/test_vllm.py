@@ -191,9 +191,30 @@ def test_ttft_cli_on_vllm_engine(setup, tmp_path):
     """`ridgefill eval ttft --engine vllm` pairs exact and RidgeFill on one engine (values are not asserted)."""
     s = setup
     proc = subprocess.run(
-        [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", "--engine", "vllm", "--model", s["model"],
-         "--maps", s["maps"], "--length", "300", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path / "t.json")],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "ridgefill.cli",
+            "eval",
+            "ttft",
+            "--engine",
+            "vllm",
+            "--model",
+            s["model"],
+            "--maps",
+            s["maps"],
+            "--length",
+            "300",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / "t.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

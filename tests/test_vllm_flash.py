@@ -1,4 +1,4 @@
-"""The FlashAttention (CUDA) path of the plugin, run on the CPU.
+"""The FlashAttention (CUDA) path of the plugin, run on the CPU, and the engines the plugin refuses.
 
 CI has no GPU, so this drives vLLM's own `FlashAttentionImpl.forward` with RidgeFill's rebuilt metadata
 and swaps only the CUDA kernel for a torch reference of its documented contract (paged K/V, varlen
@@ -81,7 +81,7 @@ def test_flash_attention_path_equals_dense_attention(monkeypatch):
     need = [math.ceil(n / BLOCK) for n in lens]
     perm = torch.randperm(sum(need) + 3, generator=g)
     block_table = torch.zeros(len(reqs), max(need), dtype=torch.int32)
-    kv = {r: torch.randn(2, n, KV_HEADS, HEAD, generator=g) for r, n in zip(names, lens)}
+    kv = {r: torch.randn(2, n, KV_HEADS, HEAD, generator=g) for r, n in zip(names, lens, strict=True)}
     kv_cache = torch.zeros(sum(need) + 3, KV_HEADS, BLOCK, 2 * HEAD)
     used = 0
     for i, r in enumerate(names):
@@ -112,3 +112,18 @@ def test_flash_attention_path_equals_dense_attention(monkeypatch):
         want = dense(query[j].view(1, HEADS, HEAD), k, v, first_pos=pos, scale=HEAD**-0.5)
         torch.testing.assert_close(got[j], want[0], rtol=1e-5, atol=1e-5)
     assert "meta" in rows.cache  # built once, shared by the step's late layers
+
+
+def test_engines_it_cannot_serve_are_named():
+    from ridgefill.vllm_plugin.model import unsupported
+
+    def config(quantization=None, tp=1, pp=1):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(quantization=quantization),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        )
+
+    assert unsupported(config()) is None
+    assert "awq" in unsupported(config(quantization="awq"))
+    assert "tensor or pipeline" in unsupported(config(tp=2))
+    assert "tensor or pipeline" in unsupported(config(pp=2))

@@ -47,6 +47,18 @@ class ServeState:
         return self.maps.split
 
 
+def unsupported(vllm_config) -> str | None:
+    """Why this engine cannot serve maps (then it serves stock), or None."""
+    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    if mc.quantization:
+        return f"quantized checkpoints ({mc.quantization}) are not supported: bulk K/V come from raw k/v weights"
+    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+        return "tensor or pipeline parallel serving is not supported: serve on one device"
+    if getattr(par, "decode_context_parallel_size", 1) > 1:
+        return "decode context parallel serving is not supported"
+    return None
+
+
 def _option(cfg, name: str, default):
     value = getattr(cfg, f"ridgefill_{name}", None)
     return default if value is None else type(default)(value)
@@ -63,6 +75,10 @@ class RidgeFillMixin:
         path = getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
         if not path:
             log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
+            return
+        why = unsupported(vllm_config)
+        if why:
+            log.warning("RidgeFill: %s; serving stock", why)
             return
         try:
             from transformers import AutoTokenizer
