@@ -127,16 +127,48 @@ def test_ridge_equals_reference(setup, chunk):
 
 def test_ridge_chunk256_batched_with_decode_and_share(setup):
     """Two requests in one engine with 256-token chunks: the short one decodes while the long one is
-    still prefilling, and a score-selected share of rows is protected. Prefix caching is asked for and
-    RidgeFill turns it off."""
+    still prefilling, and a score-selected share of rows is protected. Prefix caching is on; with a
+    share, requests with bulk rows neither store nor reuse blocks."""
     s = setup
     case = _case(s, s["prompts"][::-1], s["maps"], chunk=256, share=0.1) | {"prefix_caching": True}
     got = run_vllm(s["root"], "batched", case)
-    assert got["ridgefill_active"]
-    assert got["prefix_caching"] is False and "prefix caching turned off" in got["log"]  # RidgeFill turns it off
+    assert got["ridgefill_active"] and got["prefix_caching"] is True
+    assert "prefix caching off for requests with bulk rows" in got["log"]
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.1)
     for prompt, result in zip(s["prompts"][::-1], got["results"], strict=True):
         assert_matches(result, reference(s["lm"], prompt, plan))
+
+
+def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup):
+    """One request at a time with prefix caching on: a stock (all-protected) prompt and RidgeFill prompts
+    sharing prefixes. RidgeFill never reads a stock block, a reused RidgeFill block never covers a row the
+    new request protects, and every output equals the reference runtime run without any cache."""
+    s = setup
+    a, b = s["prompts"]
+    prompts = [a[:52], a, a[:560] + b[:40], a[:300], a[:52]]  # 52 = sink 4 + tail 48: served stock
+    case = _case(s, prompts, s["maps"]) | {"prefix_caching": True, "sequential": True, "block_size": 32}
+    got = run_vllm(s["root"], "prefix", case)
+    assert got["ridgefill_active"] and got["prefix_caching"] is True
+    # a[:52] is stored in stock blocks, which a (RidgeFill) does not reuse; a stores its blocks below its
+    # tail (600 - 48 = 552 -> 17 blocks of 32); the next two reuse them up to their own tails
+    # (552 -> 544, 252 -> 224); a[:52] again finds its own stock block
+    assert [r["cached_tokens"] for r in got["results"]] == [0, 0, 544, 224, 32]
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    for prompt, result in zip(prompts, got["results"], strict=True):
+        assert_matches(result, reference(s["lm"], prompt, plan))
+
+
+def test_prompt_logprobs_request_runs_stock(setup):
+    """Prompt logprobs need every row's logits, so such a request is served whole, equal to stock."""
+    s = setup
+    ids = s["prompts"][0][:300]
+    got = run_vllm(s["root"], "promptlp", _case(s, [ids], s["maps"], chunk=64) | {"prompt_logprobs": 0})
+    assert got["ridgefill_active"]
+    exact = reference(s["lm"], ids, FillPlan())
+    assert_matches(got["results"][0], exact)
+    logits = s["lm"](torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(got["results"][0]["prompt_logprobs"]), want, atol=2e-3, rtol=0)
 
 
 def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):

@@ -69,11 +69,10 @@ def test_flash_attention_path_equals_dense_attention(monkeypatch):
     classifier = RowClassifier(sink=4, tail=16, share=0.25, scores=torch.rand(1000, generator=g))
     qlens = [end - first for _, first, end in reqs.values()]
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-    positions = torch.cat([torch.arange(first, end) for _, first, end in reqs.values()])
     names = list(reqs)
-    rows = classifier.classify(
-        names, qsl, np.array([p for p, _, _ in reqs.values()]), lambda r, n: prompts[names[r]][:n], positions
-    )
+    computed = np.array([first for _, first, _ in reqs.values()])
+    plens = np.array([p for p, _, _ in reqs.values()])
+    rows = classifier.classify(names, qsl, computed, plens, lambda r, n: prompts[names[r]][:n])
     assert rows.any_bulk and len(rows.runs) > 3  # sink, share and tail runs, and the decode
 
     # a paged cache holding every position of every request, in shuffled blocks

@@ -45,20 +45,18 @@ def attend_runs(meta, layer, kv_cache: Tensor, query: Tensor, rows: StepRows) ->
 
 
 def _run_tensors(meta, rows: StepRows) -> dict:
-    device = meta.query_start_loc.device
-    qlens = [b - a for a, b, _ in rows.runs]
+    runs = torch.tensor(rows.runs, dtype=torch.long)  # [R, 3]: first token, end token, request index
+    qlens = (runs[:, 1] - runs[:, 0]).to(torch.int32)
     starts = torch.zeros(len(qlens) + 1, dtype=torch.int32)
-    starts[1:] = torch.tensor(qlens, dtype=torch.int32).cumsum(0)
-    pos = rows.positions
-    seq_lens = torch.tensor([int(pos[b - 1]) + 1 for _, b, _ in rows.runs], dtype=torch.int32)
-    reqs = torch.tensor([r for _, _, r in rows.runs], dtype=torch.long, device=meta.block_table.device)
+    starts[1:] = qlens.cumsum(0)
+    seq_lens = (rows.positions[runs[:, 1] - 1] + 1).to(torch.int32)  # a run sees its request up to its last row
     return {
         "num_actual_tokens": int(starts[-1]),
-        "max_query_len": max(qlens),
-        "query_start_loc": starts.to(device),
+        "max_query_len": int(qlens.max()),
+        "query_start_loc": starts.to(meta.query_start_loc.device),
         "max_seq_len": int(seq_lens.max()),
         "seq_lens": seq_lens.to(meta.seq_lens.device),
-        "block_table": meta.block_table.index_select(0, reqs),
+        "block_table": meta.block_table.index_select(0, runs[:, 2].to(meta.block_table.device)),
     }
 
 

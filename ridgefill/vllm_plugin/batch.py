@@ -8,6 +8,7 @@ for any chunk size, for several requests and for decodes in one batch (a decode 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,10 +22,10 @@ from ridgefill.rows import protected_mask
 class StepRows:
     """One step's classification; `runs` are contiguous protected rows of one request."""
 
-    num_tokens: int
-    protected: Tensor  # [num_tokens] bool
+    num_tokens: int  # scheduled tokens, without the runner's padding
+    protected: Tensor  # [num_tokens] bool, on the CPU
     req_of_token: Tensor  # [num_tokens] long, request index within the step
-    positions: Tensor  # [num_tokens] long, on the CPU
+    positions: Tensor  # [num_tokens] long, absolute positions
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end token, request index)
     cache: dict = field(default_factory=dict)  # per-step metadata shared by the late layers
 
@@ -34,7 +35,7 @@ class StepRows:
 
 
 class RowClassifier:
-    """Keeps each request's prompt mask (computed once per request) and classifies steps."""
+    """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
 
     def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None) -> None:
         self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
@@ -47,39 +48,58 @@ class RowClassifier:
         return self.masks[req_id]
 
     def classify(
-        self, req_ids: list[str], query_start_loc: np.ndarray, prompt_lens: np.ndarray, prompt_ids, positions: Tensor
-    ) -> StepRows:
-        """positions: [>= num_tokens] absolute positions of the flattened batch (padding is protected)."""
-        num_tokens = int(query_start_loc[-1])
-        pos = positions[:num_tokens].cpu().long()
-        protected = torch.ones(positions.shape[0], dtype=torch.bool)
-        req_of_token = torch.zeros(positions.shape[0], dtype=torch.long)
-        for r, req_id in enumerate(req_ids):
-            a, b = int(query_start_loc[r]), int(query_start_loc[r + 1])
-            req_of_token[a:b] = r
-            p, plen = pos[a:b], int(prompt_lens[r])
-            in_prompt = p < plen
-            if bool(in_prompt.any()):
-                mask = self.prompt_mask(req_id, prompt_ids(r, plen))
-                protected[a:b] = torch.where(in_prompt, mask[p.clamp_max(plen - 1)], True)
-        for stale in set(self.masks) - set(req_ids):
+        self,
+        req_ids: list[str],
+        query_start_loc: np.ndarray,
+        num_computed: np.ndarray,
+        prompt_lens: np.ndarray,
+        prompt_ids: Callable[[int, int], np.ndarray],
+        stock: Container[str] = (),
+    ) -> StepRows | None:
+        """Classify a step from host-side batch state only (no device sync).
+
+        Request r's scheduled tokens sit at query_start_loc[r]:query_start_loc[r+1] of the flattened
+        batch, at positions num_computed[r].. . Requests in `stock` (those asking for prompt logprobs,
+        which need every row's logits) are all protected. Returns None for a step with no prompt row to
+        fill (decodes only), which then runs stock at the cost of a few vector ops.
+        """
+        n = len(req_ids)
+        qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int64)
+        counts = np.diff(qsl)
+        computed = np.asarray(num_computed[:n], dtype=np.int64)
+        plens = np.asarray(prompt_lens[:n], dtype=np.int64)
+        prefilling = [r for r in np.flatnonzero((counts > 0) & (computed < plens)).tolist() if req_ids[r] not in stock]
+        if not prefilling:
+            return None
+        num_tokens = int(qsl[-1])
+        pos = np.repeat(computed - qsl[:-1], counts) + np.arange(num_tokens)
+        req_of_token = np.repeat(np.arange(n), counts)
+        protected = np.ones(num_tokens, dtype=bool)
+        for r in prefilling:
+            a, b, plen = int(qsl[r]), int(qsl[r + 1]), int(plens[r])
+            mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen)).numpy()
+            p = pos[a:b]
+            protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
+        live = set(req_ids[:n])
+        for stale in [k for k in self.masks if k not in live]:
             del self.masks[stale]
-        runs = _runs(protected[:num_tokens], req_of_token, pos)
-        return StepRows(num_tokens, protected, req_of_token, pos, runs)
+        runs = _runs(protected, req_of_token, pos)
+        return StepRows(
+            num_tokens, torch.from_numpy(protected), torch.from_numpy(req_of_token), torch.from_numpy(pos), runs
+        )
 
 
-def _runs(protected: Tensor, req_of_token: Tensor, positions: Tensor) -> list[tuple[int, int, int]]:
+def _runs(protected: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray) -> list[tuple[int, int, int]]:
     """Maximal runs of protected tokens that are consecutive in the batch, in one request and in position."""
-    idx = protected.nonzero().squeeze(-1).tolist()
-    pos = positions.tolist()
-    runs: list[tuple[int, int, int]] = []
-    for t in idx:
-        r = int(req_of_token[t])
-        if runs and runs[-1][1] == t and runs[-1][2] == r and pos[t] == pos[t - 1] + 1:
-            runs[-1] = (runs[-1][0], t + 1, r)
-        else:
-            runs.append((t, t + 1, r))
-    return runs
+    idx = np.flatnonzero(protected)
+    if idx.size == 0:
+        return []
+    req, pos = req_of_token[idx], positions[idx]
+    first = np.ones(idx.size, dtype=bool)
+    first[1:] = (np.diff(idx) != 1) | (np.diff(req) != 0) | (np.diff(pos) != 1)
+    starts = np.flatnonzero(first)
+    ends = np.append(starts[1:], idx.size)
+    return [(int(idx[s]), int(idx[e - 1]) + 1, int(req[s])) for s, e in zip(starts, ends, strict=True)]
 
 
 _PATCHED = False
@@ -102,11 +122,12 @@ def patch_model_runner() -> None:
         batch = self.input_batch
         n = batch.num_reqs
         state.rows = state.classifier.classify(
-            list(batch.req_ids[:n]),
+            batch.req_ids[:n],
             self.query_start_loc.np[: n + 1],
+            batch.num_computed_tokens_cpu[:n],
             batch.num_prompt_tokens[:n],
             lambda r, plen: batch.token_ids_cpu[r, :plen],
-            positions,
+            stock=self.num_prompt_logprobs,
         )
         try:
             return original(self, input_ids, positions, *args, **kwargs)
@@ -119,7 +140,6 @@ def patch_model_runner() -> None:
 
 def bulk_rows(rows: StepRows) -> StepRows:
     """The bulk rows of a step as their own runs (plumb mode runs the whole layer for them too)."""
-    bulk = ~rows.protected[: rows.num_tokens]
-    return StepRows(
-        rows.num_tokens, bulk, rows.req_of_token, rows.positions, _runs(bulk, rows.req_of_token, rows.positions)
-    )
+    bulk = ~rows.protected
+    runs = _runs(bulk.numpy(), rows.req_of_token.numpy(), rows.positions.numpy())
+    return StepRows(rows.num_tokens, bulk, rows.req_of_token, rows.positions, runs)

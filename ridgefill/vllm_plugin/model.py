@@ -9,6 +9,8 @@ the stock forward.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -24,6 +26,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
+from ridgefill.vllm_plugin import prefix_cache
 from ridgefill.vllm_plugin.backend import attend, write_kv
 from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows
 
@@ -91,10 +94,7 @@ class RidgeFillMixin:
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
-        if vllm_config.cache_config.enable_prefix_caching:
-            # a block written from predicted K/V must never be reused as exact K/V by another request
-            vllm_config.cache_config.enable_prefix_caching = False
-            log.warning("RidgeFill: prefix caching turned off (filled K/V blocks must not be shared)")
+        self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._rf_pending = (maps, tok)
         self._rf_cfg = cfg
         self._rf_dtype = mc.dtype
@@ -136,9 +136,17 @@ class RidgeFillMixin:
             maps.scores,
         )
         mode = _option(cfg, "mode", "ridge")
-        self.ridgefill = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
+        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
+        if self._rf_prefix_caching:  # filled blocks are salted and never reused by protected rows
+            tag = hashlib.sha256(json.dumps(maps.manifest, sort_keys=True).encode()).hexdigest()[:16]
+            c = classifier
+            prefix_cache.activate(
+                prefix_cache.CachePolicy(
+                    f"ridgefill/{tag}/{mode}/sink{c.sink}", c.sink, c.tail, c.share, lambda: state.enabled
+                )
+            )
         log.info(
-            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s",
+            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s, prefix caching %s",
             cfg.architectures[0],
             getattr(cfg, "name_or_path", ""),
             maps.path,
@@ -147,6 +155,9 @@ class RidgeFillMixin:
             classifier.tail,
             classifier.share,
             mode,
+            ("filled blocks kept apart" if classifier.share == 0 else "off for requests with bulk rows")
+            if self._rf_prefix_caching
+            else "off",
         )
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):

@@ -29,6 +29,8 @@ def make_llm(
     options: dict | None = None,
     kv_space_gib: int = 2,
     prefix_caching: bool = False,
+    max_num_seqs: int = 8,
+    block_size: int | None = None,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -53,7 +55,8 @@ def make_llm(
         enable_prefix_caching=prefix_caching,
         enable_chunked_prefill=True,
         max_num_batched_tokens=chunk or max_model_len,
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
         hf_overrides=overrides or None,
     )
 
@@ -92,17 +95,31 @@ def run_case(case: dict) -> dict:
         max_model_len=case.get("max_model_len", 4096),
         options=case.get("options"),
         prefix_caching=case.get("prefix_caching", False),
+        block_size=case.get("block_size"),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=case.get("max_tokens", 8), logprobs=case.get("logprobs", 5))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=case.get("max_tokens", 8),
+        logprobs=case.get("logprobs", 5),
+        prompt_logprobs=case.get("prompt_logprobs"),
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
     t = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in case["prompts"]], params, use_tqdm=False)
+    if case.get("sequential"):  # one request at a time (prefix-cache reuse across requests)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
     active = getattr(served_model(llm), "ridgefill", None) is not None
     results = []
     for o in outs:
         c = o.outputs[0]
         first = {int(t): float(lp.logprob) for t, lp in c.logprobs[0].items()} if c.logprobs else {}
-        results.append({"tokens": list(c.token_ids), "first_logprobs": first})
+        result = {"tokens": list(c.token_ids), "first_logprobs": first, "cached_tokens": o.num_cached_tokens}
+        if o.prompt_logprobs is not None:  # each prompt token's own logprob (none for the first)
+            ids = o.prompt_token_ids
+            result["prompt_logprobs"] = [float(d[ids[i]].logprob) for i, d in enumerate(o.prompt_logprobs) if d]
+        results.append(result)
     core = getattr(llm.llm_engine, "engine_core", None)
     scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
     caching = getattr(getattr(scheduler, "kv_cache_manager", None), "enable_caching", None)

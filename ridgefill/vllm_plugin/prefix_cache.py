@@ -1,0 +1,98 @@
+"""Prefix caching that never hands filled K/V to a row that must be exact.
+
+With share 0 a prompt row's class depends only on its position (sink, bulk, or within `tail` of the
+prompt's end), so the K/V of a row that was bulk or sink is a function of the tokens up to it, the maps
+and the sink. RidgeFill therefore:
+- salts the block hashes of every request that has bulk rows with what a filled block depends on, so
+  stock requests (short prompts, RidgeFill off) and RidgeFill requests never share a block;
+- caches a RidgeFill request's blocks only below its tail (`prompt_len - tail`), so a cached block holds
+  bulk and sink rows only, never tail rows computed over filled K/V or decoded tokens;
+- lets a RidgeFill request reuse blocks only below its own tail, so its protected rows are computed.
+A request served from the cache thus gets the K/V it would have written itself. Requests asking for
+prompt logprobs run stock (every row needs its logits) and cache like stock ones. With a share above 0 a
+row's class depends on the whole prompt, so RidgeFill requests then neither store nor reuse blocks.
+
+The scheduler runs in the process that holds the model (RidgeFill serves on one device), so it reads
+the policy the model registers when it loads its maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+CAP = "ridgefill_cache_cap"  # attribute set on vLLM Requests: tokens that may be cached and reused
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """What a filled block depends on (`tag`) and the row policy that bounds what may be cached."""
+
+    tag: str
+    sink: int
+    tail: int
+    share: float
+    enabled: Callable[[], bool]
+
+    def cap(self, prompt_len: int) -> int | None:
+        """Tokens of this prompt that may be cached or reused; None for a request served stock."""
+        if not self.enabled() or prompt_len <= self.sink + self.tail:
+            return None
+        return 0 if self.share > 0 else prompt_len - self.tail
+
+
+_policy: CachePolicy | None = None
+_patched = False
+
+
+def activate(policy: CachePolicy | None) -> None:
+    """Register the served model's policy (None: every request is stock) and patch the scheduler once."""
+    global _policy
+    _policy = policy
+    if policy is not None:
+        _patch_scheduler()
+
+
+def _salt(user_salt: str | None, tag: str) -> str:
+    return f"{user_salt}|{tag}" if user_salt else tag
+
+
+def _patch_scheduler() -> None:
+    global _patched
+    if _patched:
+        return
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
+
+    make_request = Request.from_engine_core_request.__func__
+    get_computed_blocks = KVCacheManager.get_computed_blocks
+    cache_blocks = KVCacheCoordinator.cache_blocks
+
+    def from_engine_core_request(cls, request, block_hasher):
+        ids, params = request.prompt_token_ids, request.sampling_params
+        stock = ids is None or _policy is None or (params is not None and params.prompt_logprobs is not None)
+        cap = None if stock else _policy.cap(len(ids))
+        if cap is not None:  # salt before the block hashes are computed
+            request.cache_salt = _salt(request.cache_salt, _policy.tag)
+        req = make_request(cls, request, block_hasher)
+        setattr(req, CAP, cap)
+        return req
+
+    def capped_get_computed_blocks(self, request):
+        cap = getattr(request, CAP, None)
+        if cap is None:
+            return get_computed_blocks(self, request)
+        if cap <= 0 or not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks, hit, _ = self.coordinator.find_longest_cache_hit(request.block_hashes, min(cap, request.num_tokens - 1))
+        return self.create_kv_cache_blocks(blocks), hit, 0
+
+    def capped_cache_blocks(self, request, num_computed_tokens: int) -> None:
+        cap = getattr(request, CAP, None)
+        cache_blocks(self, request, num_computed_tokens if cap is None else min(num_computed_tokens, cap))
+
+    Request.from_engine_core_request = classmethod(from_engine_core_request)
+    KVCacheManager.get_computed_blocks = capped_get_computed_blocks
+    KVCacheCoordinator.cache_blocks = capped_cache_blocks
+    _patched = True

@@ -1,0 +1,88 @@
+"""Row classes of a vLLM step agree with the reference runtime's `protected_mask`, whatever the chunking."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ridgefill.rows import protected_mask
+from ridgefill.vllm_plugin.batch import RowClassifier, bulk_rows
+
+SINK, TAIL, SHARE = 4, 32, 0.2
+
+
+def _classifier(seed: int = 0) -> RowClassifier:
+    return RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(seed)))
+
+
+def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=()):
+    """reqs: (id, prompt ids, computed before the step, tokens scheduled)."""
+    qsl = np.concatenate([[0], np.cumsum([c for *_, c in reqs])]).astype(np.int32)
+    ids = [r for r, *_ in reqs]
+    prompts = [p for _, p, _, _ in reqs]
+    return classifier.classify(
+        ids,
+        qsl,
+        np.array([done for _, _, done, _ in reqs]),
+        np.array([len(p) for p in prompts]),
+        lambda r, n: prompts[r][:n],
+        stock=stock,
+    )
+
+
+def test_any_chunking_gives_the_reference_mask():
+    g = np.random.default_rng(0)
+    prompts = {name: g.integers(0, 500, size=n) for name, n in [("a", 300), ("b", 170), ("c", 41)]}
+    for chunk in (1, 7, 64, 1000):
+        classifier = _classifier()
+        got = {name: [] for name in prompts}
+        done = dict.fromkeys(prompts, 0)
+        while any(done[k] < len(p) for k, p in prompts.items()):
+            budget, reqs = chunk, []  # vLLM-style: fill the step's token budget request by request
+            for name, p in prompts.items():
+                take = min(len(p) - done[name], budget)
+                if take > 0:
+                    reqs.append((name, p, done[name], take))
+                    budget -= take
+            rows = _step(reqs, classifier)
+            for r, (name, _, start, take) in enumerate(reqs):
+                mine = rows.req_of_token == r
+                assert rows.positions[mine].tolist() == list(range(start, start + take))
+                got[name] += rows.protected[mine].tolist()
+                done[name] += take
+        for name, p in prompts.items():
+            want = protected_mask(torch.from_numpy(p), SINK, TAIL, SHARE, classifier.scores)
+            assert got[name] == want.tolist(), (chunk, name)
+
+
+def test_decodes_are_protected_and_decode_only_steps_are_not_classified():
+    classifier = _classifier()
+    prompt = np.arange(100)
+    assert _step([("a", prompt, 100, 1), ("b", prompt, 140, 1)], classifier) is None
+    rows = _step([("a", prompt, 100, 1), ("b", prompt, 0, 64), ("c", prompt, 120, 1)], classifier)
+    assert rows.protected[0] and rows.protected[-1] and rows.positions[-1] == 120
+    assert not rows.protected[1 + SINK : 1 + 64].all()  # the prefill chunk holds bulk rows
+    assert rows.runs[0] == (0, 1, 0) and rows.runs[-1] == (65, 66, 2)
+    assert set(classifier.masks) == {"b"}  # masks only for requests that prefilled
+
+
+def test_runs_are_maximal_and_split_at_request_and_position_breaks():
+    classifier = RowClassifier(sink=2, tail=3, share=0.0, scores=None)
+    p = np.arange(10)
+    # a: positions 5..9 (bulk 5,6; tail 7,8,9) then b: positions 0..9 (sink 0,1; bulk 2..6; tail 7,8,9)
+    rows = _step([("a", p, 5, 5), ("b", p, 0, 10)], classifier)
+    assert rows.protected.tolist() == [False, False, True, True, True] + [True, True] + [False] * 5 + [True] * 3
+    assert rows.runs == [(2, 5, 0), (5, 7, 1), (12, 15, 1)]
+    bulk = bulk_rows(rows)
+    assert bulk.runs == [(0, 2, 0), (7, 12, 1)]
+    # stale masks go when their request leaves the batch
+    _step([("c", p, 0, 10)], classifier)
+    assert set(classifier.masks) == {"c"}
+
+
+def test_requests_in_stock_are_all_protected():
+    classifier = _classifier()
+    prompt = np.arange(200)
+    assert _step([("a", prompt, 0, 200)], classifier, stock={"a"}) is None
+    rows = _step([("a", prompt, 0, 200), ("b", prompt, 0, 200)], classifier, stock={"a"})
+    assert rows.protected[:200].all() and not rows.protected[200:].all()
