@@ -63,7 +63,7 @@ def main() -> None:
         "stock_s": stock,
         "plugin_s": plugin,
     }
-    print(json.dumps({k: v for k, v in result.items() if not k.endswith("_s")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list) or k == "ratio_ci95"}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 
