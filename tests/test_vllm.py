@@ -6,6 +6,7 @@ Each engine runs in its own process (vLLM keeps global state). Skipped only wher
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 6
 
 
-def run_vllm(tmp: Path, name: str, case: dict) -> dict:
+def run_vllm(tmp: Path, name: str, case: dict, **env: str) -> dict:
     (tmp / f"{name}.json").write_text(json.dumps(case))
     proc = subprocess.run(
         [
@@ -39,7 +40,7 @@ def run_vllm(tmp: Path, name: str, case: dict) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp / f"{name}.out.json").read_text())
@@ -219,6 +220,58 @@ def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
     assert_matches(got["results"][0], reference(model, ids, plan))
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])  # split across the two ranks, or replicated on both
+def test_tensor_parallel_ridge_with_prefix_cache_equals_reference(tmp_path, tokenizer, essay_text, kv_heads):
+    """Two tensor-parallel ranks (worker processes): each fills its own k/v heads, and the scheduler, which
+    does not hold the model, derives the prefix-cache policy from the config."""
+    model = tiny_model("llama", len(tokenizer), layers=6)
+    model.config.num_key_value_heads = kv_heads
+    model.config.head_dim = 32  # the CPU attention kernel's smallest head size
+    model = type(model)(model.config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "cal.txt").write_text(essay_text[:60000])
+    cap = run_capture(
+        model,
+        tokenizer,
+        [str(tmp_path / "cal.txt")],
+        [3],
+        window=128,
+        max_windows=16,
+        heldout=2,
+        root=tmp_path,
+        progress=False,
+    )
+    defaults = {"tail": 16, "sink": 4, "share": 0.0}
+    maps_dir = build_maps(model, tokenizer, cap, 3, 1e-2, tmp_path / "maps", heldout_windows=1, defaults=defaults)
+    ids = tokenizer(essay_text[70000:80000], add_special_tokens=False)["input_ids"][:300]
+    prompts = [ids, ids[:250]]
+    case = {
+        "model": str(tmp_path / "model"),
+        "maps": str(maps_dir),
+        "prompts": prompts,
+        "chunk": 64,
+        "max_model_len": 512,
+        "max_tokens": MAX_TOKENS,
+        "tp": 2,
+        "prefix_caching": True,
+        "sequential": True,
+        "block_size": 32,
+    }
+    cores = sorted(os.sched_getaffinity(0))
+    got = run_vllm(tmp_path, "tp2", case, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[-1]}")
+    assert got["log"].count("RidgeFill: active") == 2  # one line per rank
+    # ids stores blocks below 300 - 16 = 284 (8 blocks); ids[:250] reuses them below 234 (7 blocks)
+    assert [r["cached_tokens"] for r in got["results"]] == [0, 224]
+    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
+    for prompt, result in zip(prompts, got["results"], strict=True):
+        assert_matches(result, reference(model, prompt, plan))
+
+
 def test_ttft_cli_on_vllm_engine(setup, tmp_path):
     """`ridgefill eval ttft --engine vllm` pairs exact and RidgeFill on one engine (values are not asserted)."""
     s = setup
@@ -247,7 +300,7 @@ def test_ttft_cli_on_vllm_engine(setup, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "t.json").read_text())

@@ -25,9 +25,11 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from ridgefill.vllm_plugin.batch import patch_model_runner
+    from ridgefill.vllm_plugin.prefix_cache import patch_scheduler
 
     for stock, ours in ARCHS.items():
         ModelRegistry.register_model(ours, f"ridgefill.vllm_plugin.model:{ours}")
         if os.environ.get("RIDGEFILL_MAPS"):
             ModelRegistry.register_model(stock, f"ridgefill.vllm_plugin.model:{ours}")
     patch_model_runner()
+    patch_scheduler()

@@ -9,8 +9,6 @@ the stock forward.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from collections.abc import Iterable
@@ -55,16 +53,46 @@ def unsupported(vllm_config) -> str | None:
     mc, par = vllm_config.model_config, vllm_config.parallel_config
     if mc.quantization:
         return f"quantized checkpoints ({mc.quantization}) are not supported: bulk K/V come from raw k/v weights"
-    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-        return "tensor or pipeline parallel serving is not supported: serve on one device"
+    if par.pipeline_parallel_size > 1:
+        return "pipeline parallel serving is not supported"
     if getattr(par, "decode_context_parallel_size", 1) > 1:
         return "decode context parallel serving is not supported"
     return None
 
 
+def maps_path(cfg) -> str | None:
+    """The map folder a RidgeFill class of this config serves: `ridgefill_maps` or RIDGEFILL_MAPS."""
+    if not any(a.startswith("RidgeFill") for a in cfg.architectures or []) and not os.environ.get("RIDGEFILL_MAPS"):
+        return None
+    return getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
+
+
+def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
+    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults."""
+    d = manifest["defaults"]
+    return (
+        _option(cfg, "sink", int(d["sink"])),
+        _option(cfg, "tail", int(d["tail"])),
+        _option(cfg, "share", float(d["share"])),
+        _option(cfg, "mode", "ridge"),
+    )
+
+
 def _option(cfg, name: str, default):
     value = getattr(cfg, f"ridgefill_{name}", None)
     return default if value is None else type(default)(value)
+
+
+def kv_shard(t: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
+    """This tensor-parallel rank's rows of a checkpoint k/v weight or bias (QKVParallelLinear's split)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return t
+    per, replicas = max(1, num_kv_heads // tp), max(1, tp // num_kv_heads)
+    start = (get_tensor_model_parallel_rank() // replicas) * per * head_dim
+    return t.narrow(0, start, per * head_dim)
 
 
 class RidgeFillMixin:
@@ -75,7 +103,8 @@ class RidgeFillMixin:
         self._rf_pending: tuple[MapSet, object] | None = None
         mc = vllm_config.model_config
         cfg = mc.hf_config
-        path = getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
+        prefix_cache.model_built_here()
+        path = maps_path(cfg)
         if not path:
             log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
             return
@@ -123,27 +152,19 @@ class RidgeFillMixin:
         for w in warnings:
             log.warning("RidgeFill: %s", w)
         device = next(self.parameters()).device
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = {}
         for name, t in kept.items():
             m = _KV.match(name)
             if m:
-                kv[(int(m.group(1)), m.group(2), m.group(3))] = t.to(device, self._rf_dtype)
-        d = maps.manifest["defaults"]
-        classifier = RowClassifier(
-            _option(cfg, "sink", int(d["sink"])),
-            _option(cfg, "tail", int(d["tail"])),
-            _option(cfg, "share", float(d["share"])),
-            maps.scores,
-        )
-        mode = _option(cfg, "mode", "ridge")
+                shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
+                kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, self._rf_dtype)
+        sink, tail, share, mode = serve_options(cfg, maps.manifest)
+        classifier = RowClassifier(sink, tail, share, maps.scores)
         self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
         if self._rf_prefix_caching:  # filled blocks are salted and never reused by protected rows
-            tag = hashlib.sha256(json.dumps(maps.manifest, sort_keys=True).encode()).hexdigest()[:16]
-            c = classifier
             prefix_cache.activate(
-                prefix_cache.CachePolicy(
-                    f"ridgefill/{tag}/{mode}/sink{c.sink}", c.sink, c.tail, c.share, lambda: state.enabled
-                )
+                prefix_cache.policy_for(maps.manifest, sink, tail, share, mode, lambda: state.enabled)
             )
         log.info(
             "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s, prefix caching %s",

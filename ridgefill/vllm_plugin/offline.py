@@ -31,6 +31,7 @@ def make_llm(
     prefix_caching: bool = False,
     max_num_seqs: int = 8,
     block_size: int | None = None,
+    tensor_parallel_size: int = 1,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -57,6 +58,7 @@ def make_llm(
         max_num_batched_tokens=chunk or max_model_len,
         max_num_seqs=max_num_seqs,
         block_size=block_size,
+        tensor_parallel_size=tensor_parallel_size,
         hf_overrides=overrides or None,
     )
 
@@ -96,6 +98,7 @@ def run_case(case: dict) -> dict:
         options=case.get("options"),
         prefix_caching=case.get("prefix_caching", False),
         block_size=case.get("block_size"),
+        tensor_parallel_size=case.get("tp", 1),
     )
     params = SamplingParams(
         temperature=0.0,
@@ -110,7 +113,10 @@ def run_case(case: dict) -> dict:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
-    active = getattr(served_model(llm), "ridgefill", None) is not None
+    try:
+        active = getattr(served_model(llm), "ridgefill", None) is not None
+    except AttributeError:  # the model runs in worker processes (tensor parallel): see the log
+        active = None
     results = []
     for o in outs:
         c = o.outputs[0]

@@ -12,14 +12,18 @@ A request served from the cache thus gets the K/V it would have written itself. 
 prompt logprobs run stock (every row needs its logits) and cache like stock ones. With a share above 0 a
 row's class depends on the whole prompt, so RidgeFill requests then neither store nor reuse blocks.
 
-The scheduler runs in the process that holds the model (RidgeFill serves on one device), so it reads
-the policy the model registers when it loads its maps.
+The policy is registered by the model when it loads its maps, which the scheduler sees when the model
+runs in its process (one device). When the model runs in other processes (tensor parallel), the
+scheduler derives the same policy from the engine's config and the folder's manifest.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 CAP = "ridgefill_cache_cap"  # attribute set on vLLM Requests: tokens that may be cached and reused
 
@@ -41,33 +45,68 @@ class CachePolicy:
         return 0 if self.share > 0 else prompt_len - self.tail
 
 
+def policy_for(manifest: dict, sink: int, tail: int, share: float, mode: str, enabled: Callable[[], bool]):
+    """The policy of a map folder served with these options (the tag names what filled K/V depend on)."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    return CachePolicy(f"ridgefill/{digest}/{mode}/sink{sink}", sink, tail, share, enabled)
+
+
+def policy_from_config(vllm_config) -> CachePolicy | None:
+    """The policy for an engine whose model runs in other processes; None if it serves no maps."""
+    from ridgefill.maps import MapError, read_manifest
+    from ridgefill.vllm_plugin.model import maps_path, serve_options, unsupported
+
+    cfg = vllm_config.model_config.hf_config
+    path = maps_path(cfg)
+    if not path or not vllm_config.cache_config.enable_prefix_caching or unsupported(vllm_config):
+        return None
+    try:
+        manifest = read_manifest(Path(path))
+    except (MapError, OSError):
+        return None  # the model refuses the folder too, and serves stock
+    sink, tail, share, mode = serve_options(cfg, manifest)
+    return policy_for(manifest, sink, tail, share, mode, lambda: True)
+
+
 _policy: CachePolicy | None = None
+_model_here = False  # a RidgeFill model was built in this process: its word is the policy
 _patched = False
 
 
 def activate(policy: CachePolicy | None) -> None:
-    """Register the served model's policy (None: every request is stock) and patch the scheduler once."""
+    """Register the served model's policy (None: every request is stock)."""
     global _policy
     _policy = policy
-    if policy is not None:
-        _patch_scheduler()
+
+
+def model_built_here() -> None:
+    global _model_here
+    _model_here = True
 
 
 def _salt(user_salt: str | None, tag: str) -> str:
     return f"{user_salt}|{tag}" if user_salt else tag
 
 
-def _patch_scheduler() -> None:
+def patch_scheduler() -> None:
+    """Patch request hashing, cache lookup and block caching (pass-throughs for stock requests), once."""
     global _patched
     if _patched:
         return
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
 
     make_request = Request.from_engine_core_request.__func__
     get_computed_blocks = KVCacheManager.get_computed_blocks
     cache_blocks = KVCacheCoordinator.cache_blocks
+    scheduler_init = Scheduler.__init__
+
+    def init_scheduler(self, vllm_config, *args, **kwargs):
+        scheduler_init(self, vllm_config, *args, **kwargs)
+        if not _model_here:  # the model runs in worker processes: derive its policy from the config
+            activate(policy_from_config(vllm_config))
 
     def from_engine_core_request(cls, request, block_hasher):
         ids, params = request.prompt_token_ids, request.sampling_params
@@ -95,4 +134,5 @@ def _patch_scheduler() -> None:
     Request.from_engine_core_request = classmethod(from_engine_core_request)
     KVCacheManager.get_computed_blocks = capped_get_computed_blocks
     KVCacheCoordinator.cache_blocks = capped_cache_blocks
+    Scheduler.__init__ = init_scheduler
     _patched = True

@@ -1,4 +1,5 @@
-"""The FlashAttention (CUDA) path of the plugin, run on the CPU, and the engines the plugin refuses.
+"""Plugin parts checked without an engine: the FlashAttention (CUDA) path run on the CPU, the engines the
+plugin refuses, and the tensor-parallel split of checkpoint k/v weights.
 
 CI has no GPU, so this drives vLLM's own `FlashAttentionImpl.forward` with RidgeFill's rebuilt metadata
 and swaps only the CUDA kernel for a torch reference of its documented contract (paged K/V, varlen
@@ -124,5 +125,30 @@ def test_engines_it_cannot_serve_are_named():
 
     assert unsupported(config()) is None
     assert "awq" in unsupported(config(quantization="awq"))
-    assert "tensor or pipeline" in unsupported(config(tp=2))
-    assert "tensor or pipeline" in unsupported(config(pp=2))
+    assert unsupported(config(tp=2)) is None
+    assert "pipeline" in unsupported(config(pp=2))
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tp", "heads_of_rank"),
+    [
+        (8, 1, [[*range(8)]]),
+        (8, 2, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (2, 4, [[0], [0], [1], [1]]),
+        (3, 3, [[0], [1], [2]]),
+    ],
+)
+def test_kv_shard_follows_qkv_parallel_linear(monkeypatch, kv_heads, tp, heads_of_rank):
+    """Rank r keeps the k/v heads vLLM's QKVParallelLinear gives it (replicated when heads < ranks)."""
+    import vllm.distributed as dist
+
+    from ridgefill.vllm_plugin.model import kv_shard
+
+    head_dim = 4
+    weight = torch.arange(kv_heads * head_dim)[:, None].expand(-1, 3)  # row i belongs to head i // head_dim
+    monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: tp)
+    for rank, heads in enumerate(heads_of_rank):
+        monkeypatch.setattr(dist, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
+        got = kv_shard(weight, kv_heads, head_dim)
+        assert sorted({int(i) // head_dim for i in got[:, 0]}) == heads
+        assert got.shape == (len(heads) * head_dim, 3)
