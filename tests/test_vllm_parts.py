@@ -117,16 +117,45 @@ def test_flash_attention_path_equals_dense_attention(monkeypatch):
 def test_engines_it_cannot_serve_are_named():
     from ridgefill.vllm_plugin.model import unsupported
 
-    def config(quantization=None, tp=1, pp=1):
+    def config(quantization=None, tp=1, pp=1, cache_dtype="auto", sliding=False, **engine):
+        hf = SimpleNamespace(use_sliding_window=sliding, sliding_window=4096)
         return SimpleNamespace(
-            model_config=SimpleNamespace(quantization=quantization),
+            model_config=SimpleNamespace(quantization=quantization, runner_type="generate", hf_config=hf),
             parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+            **engine,
         )
 
     assert unsupported(config()) is None
-    assert "awq" in unsupported(config(quantization="awq"))
     assert unsupported(config(tp=2)) is None
+    assert "awq" in unsupported(config(quantization="awq"))
     assert "pipeline" in unsupported(config(pp=2))
+    assert "speculative" in unsupported(config(speculative_config=object()))
+    assert "LoRA" in unsupported(config(lora_config=object()))
+    assert "KV connectors" in unsupported(config(kv_transfer_config=object()))
+    assert "fp8" in unsupported(config(cache_dtype="fp8"))
+    assert "sliding-window" in unsupported(config(sliding=True))
+
+
+def test_serve_options_are_validated():
+    from ridgefill.vllm_plugin.model import serve_options
+
+    manifest = {"defaults": {"sink": 4, "tail": 256, "share": 0.0}}
+    assert serve_options(SimpleNamespace(), manifest) == (4, 256, 0.0, "ridge")
+    assert serve_options(SimpleNamespace(ridgefill_tail="64", ridgefill_mode="plumb"), manifest) == (
+        4,
+        64,
+        0.0,
+        "plumb",
+    )
+    for bad, word in [
+        ({"ridgefill_tail": 0}, "tail"),
+        ({"ridgefill_share": 1.5}, "share"),
+        ({"ridgefill_mode": "identity"}, "mode"),
+        ({"ridgefill_sink": "many"}, "sink"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            serve_options(SimpleNamespace(**bad), manifest)
 
 
 @pytest.mark.parametrize(

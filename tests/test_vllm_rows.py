@@ -63,7 +63,7 @@ def test_decodes_are_protected_and_decode_only_steps_are_not_classified():
     assert rows.protected[0] and rows.protected[-1] and rows.positions[-1] == 120
     assert not rows.protected[1 + SINK : 1 + 64].all()  # the prefill chunk holds bulk rows
     assert rows.runs[0] == (0, 1, 0) and rows.runs[-1] == (65, 66, 2)
-    assert set(classifier.masks) == {"b"}  # masks only for requests that prefilled
+    assert set(classifier.masks) == {("b", 100)}  # masks only for requests that prefilled
 
 
 def test_runs_are_maximal_and_split_at_request_and_position_breaks():
@@ -77,7 +77,7 @@ def test_runs_are_maximal_and_split_at_request_and_position_breaks():
     assert bulk.runs == [(0, 2, 0), (7, 12, 1)]
     # stale masks go when their request leaves the batch
     _step([("c", p, 0, 10)], classifier)
-    assert set(classifier.masks) == {"c"}
+    assert set(classifier.masks) == {("c", 10)}
 
 
 def test_requests_in_stock_are_all_protected():
@@ -86,3 +86,28 @@ def test_requests_in_stock_are_all_protected():
     assert _step([("a", prompt, 0, 200)], classifier, stock={"a"}) is None
     rows = _step([("a", prompt, 0, 200), ("b", prompt, 0, 200)], classifier, stock={"a"})
     assert rows.protected[:200].all() and not rows.protected[200:].all()
+
+
+def test_a_growing_prompt_is_classified_by_its_current_length():
+    """Streamed input keeps the request id while its prompt grows: the tail moves with the prompt's end."""
+    classifier = RowClassifier(sink=2, tail=4, share=0.0, scores=None)
+    p = np.arange(40)
+    first = _step([("s", p[:20], 0, 20)], classifier)
+    assert first.protected.tolist() == [True] * 2 + [False] * 14 + [True] * 4
+    grown = _step([("s", p, 20, 20)], classifier)  # positions 20..39 of a 40-token prompt
+    assert grown.protected.tolist() == [False] * 16 + [True] * 4
+    assert set(classifier.masks) == {("s", 40)}
+
+
+def test_prompt_logprob_requests_stay_stock_for_their_whole_life():
+    from types import SimpleNamespace
+
+    from ridgefill.vllm_plugin.batch import PromptLogprobRequests
+
+    requests = {
+        "lp": SimpleNamespace(sampling_params=SimpleNamespace(prompt_logprobs=0)),
+        "plain": SimpleNamespace(sampling_params=SimpleNamespace(prompt_logprobs=None)),
+        "pooling": SimpleNamespace(sampling_params=None),
+    }
+    stock = PromptLogprobRequests(requests)
+    assert "lp" in stock and "plain" not in stock and "pooling" not in stock and "gone" not in stock

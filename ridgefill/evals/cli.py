@@ -182,11 +182,12 @@ def ttft(
         from ridgefill.vllm_plugin.offline import make_llm, ttft_engine
 
         path = str(model_path(model))
-        options = {k: v for k, v in {"sink": sink, "tail": tail, "share": share}.items() if v is not None}
+        given = {"sink": sink, "tail": tail, "share": share, "mode": mode}
+        options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         llm = make_llm(path, str(maps), chunk=chunk, max_model_len=max(length) + 16, options=options)
         ms = load_maps(maps)
         tok = llm.get_tokenizer()
-        plan = _plan(ms, "ridge", None, sink, tail, share)
+        plan = _plan(ms, mode or "ridge", None, sink, tail, share)
         run = ttft_engine(llm)
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")

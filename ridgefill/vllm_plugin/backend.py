@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from ridgefill.vllm_plugin.batch import StepRows
+from ridgefill.vllm_plugin.batch import StepRows, to_device
 
 
 def write_kv(attn, key: Tensor, value: Tensor) -> None:
@@ -53,10 +53,10 @@ def _run_tensors(meta, rows: StepRows) -> dict:
     return {
         "num_actual_tokens": int(starts[-1]),
         "max_query_len": int(qlens.max()),
-        "query_start_loc": starts.to(meta.query_start_loc.device),
+        "query_start_loc": to_device(starts, meta.query_start_loc.device),
         "max_seq_len": int(seq_lens.max()),
-        "seq_lens": seq_lens.to(meta.seq_lens.device),
-        "block_table": meta.block_table.index_select(0, runs[:, 2].to(meta.block_table.device)),
+        "seq_lens": to_device(seq_lens, meta.seq_lens.device),
+        "block_table": meta.block_table.index_select(0, to_device(runs[:, 2], meta.block_table.device)),
     }
 
 

@@ -33,19 +33,35 @@ class StepRows:
     def any_bulk(self) -> bool:
         return bool((~self.protected).any())
 
+    def indices(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(protected, bulk) token indices on `device`, copied once a step without a device sync."""
+        if "indices" not in self.cache:
+            keep = self.protected.numpy()
+            host = (torch.from_numpy(np.flatnonzero(keep)), torch.from_numpy(np.flatnonzero(~keep)))
+            self.cache["indices"] = tuple(to_device(t, device) for t in host)
+        return self.cache["indices"]
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory so the copy does not wait for the stream."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 
 class RowClassifier:
     """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
 
     def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None) -> None:
         self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
-        self.masks: dict[str, Tensor] = {}
+        self.masks: dict[tuple[str, int], np.ndarray] = {}  # (request, prompt length): a prompt may grow
 
-    def prompt_mask(self, req_id: str, prompt_ids: np.ndarray) -> Tensor:
-        if req_id not in self.masks:
+    def prompt_mask(self, req_id: str, prompt_ids: np.ndarray) -> np.ndarray:
+        key = (req_id, len(prompt_ids))
+        if key not in self.masks:
             ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64))
-            self.masks[req_id] = protected_mask(ids, self.sink, self.tail, self.share, self.scores)
-        return self.masks[req_id]
+            self.masks[key] = protected_mask(ids, self.sink, self.tail, self.share, self.scores).numpy()
+        return self.masks[key]
 
     def classify(
         self,
@@ -77,10 +93,10 @@ class RowClassifier:
         protected = np.ones(num_tokens, dtype=bool)
         for r in prefilling:
             a, b, plen = int(qsl[r]), int(qsl[r + 1]), int(plens[r])
-            mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen)).numpy()
+            mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen))
             p = pos[a:b]
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
-        live = set(req_ids[:n])
+        live = {(req_ids[r], int(plens[r])) for r in range(n)}
         for stale in [k for k in self.masks if k not in live]:
             del self.masks[stale]
         runs = _runs(protected, req_of_token, pos)
@@ -100,6 +116,19 @@ def _runs(protected: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray
     starts = np.flatnonzero(first)
     ends = np.append(starts[1:], idx.size)
     return [(int(idx[s]), int(idx[e - 1]) + 1, int(req[s])) for s, e in zip(starts, ends, strict=True)]
+
+
+class PromptLogprobRequests:
+    """Requests that asked for prompt logprobs, for their whole life (the runner's own dict empties once
+    their prompt is done, but a preempted request recomputes its prompt)."""
+
+    def __init__(self, requests: dict) -> None:
+        self.requests = requests
+
+    def __contains__(self, req_id: object) -> bool:
+        state = self.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        return params is not None and params.prompt_logprobs is not None
 
 
 _PATCHED = False
@@ -127,7 +156,7 @@ def patch_model_runner() -> None:
             batch.num_computed_tokens_cpu[:n],
             batch.num_prompt_tokens[:n],
             lambda r, plen: batch.token_ids_cpu[r, :plen],
-            stock=self.num_prompt_logprobs,
+            stock=PromptLogprobRequests(self.requests),
         )
         try:
             return original(self, input_ids, positions, *args, **kwargs)

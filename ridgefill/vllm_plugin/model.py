@@ -41,22 +41,38 @@ class ServeState:
     classifier: RowClassifier
     kv: dict[tuple[int, str, str], Tensor]
     rows: StepRows | None = None
-    enabled: bool = True  # off: serve stock (paired TTFT on one engine)
+    enabled: bool = True  # off: serve stock (paired TTFT on one engine); flip only while no request is in flight
 
     @property
     def split(self) -> int:
         return self.maps.split
 
 
+ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")  # backend.py builds their metadata
+
+
 def unsupported(vllm_config) -> str | None:
     """Why this engine cannot serve maps (then it serves stock), or None."""
-    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    mc, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    cfg = mc.hf_config
     if mc.quantization:
         return f"quantized checkpoints ({mc.quantization}) are not supported: bulk K/V come from raw k/v weights"
     if par.pipeline_parallel_size > 1:
         return "pipeline parallel serving is not supported"
     if getattr(par, "decode_context_parallel_size", 1) > 1:
         return "decode context parallel serving is not supported"
+    if getattr(mc, "runner_type", "generate") != "generate":
+        return f"the {mc.runner_type} runner is not supported"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding is not supported (drafts read every row's hidden state)"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA is not supported (bulk K/V come from the base k/v weights)"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "KV connectors are not supported (they would move filled blocks as exact ones)"
+    if str(getattr(cache, "cache_dtype", "auto")) != "auto":
+        return f"KV cache dtype {cache.cache_dtype} is not supported: serve with the model's dtype"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention is not supported"
     return None
 
 
@@ -68,19 +84,29 @@ def maps_path(cfg) -> str | None:
 
 
 def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
-    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults."""
+    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults; ValueError if invalid."""
     d = manifest["defaults"]
-    return (
-        _option(cfg, "sink", int(d["sink"])),
-        _option(cfg, "tail", int(d["tail"])),
-        _option(cfg, "share", float(d["share"])),
-        _option(cfg, "mode", "ridge"),
-    )
+    sink = _option(cfg, "sink", int(d["sink"]))
+    tail = _option(cfg, "tail", int(d["tail"]))
+    share = _option(cfg, "share", float(d["share"]))
+    mode = _option(cfg, "mode", "ridge")
+    if sink < 0 or tail < 1:
+        raise ValueError(f"ridgefill_sink must be >= 0 and ridgefill_tail >= 1 (got {sink}, {tail})")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"ridgefill_share must lie in [0, 1] (got {share})")
+    if mode not in ("ridge", "plumb"):
+        raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
+    return sink, tail, share, mode
 
 
 def _option(cfg, name: str, default):
     value = getattr(cfg, f"ridgefill_{name}", None)
-    return default if value is None else type(default)(value)
+    if value is None:
+        return default
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ridgefill_{name} must be a {type(default).__name__} (got {value!r})") from None
 
 
 def kv_shard(t: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
@@ -120,9 +146,12 @@ class RidgeFillMixin:
             errors, _ = compare(maps.manifest["model"], fingerprint_from(cfg, tok, {}, maps.split))
             if errors:
                 raise MapError("maps do not match this model: " + "; ".join(errors))
+            self._rf_options = serve_options(cfg, maps.manifest)
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
+        if not mc.enforce_eager:
+            log.warning("RidgeFill: tested with enforce_eager only; CUDA graphs and torch.compile are untested")
         self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._rf_pending = (maps, tok)
         self._rf_cfg = cfg
@@ -151,6 +180,18 @@ class RidgeFillMixin:
         _, warnings = compare(maps.manifest["model"], fingerprint_from(cfg, tok, kept, maps.split))
         for w in warnings:
             log.warning("RidgeFill: %s", w)
+        missing = [
+            i
+            for i in range(maps.split, cfg.num_hidden_layers)
+            if (f"model.layers.{i}.self_attn.k_proj.weight" not in kept)
+        ]
+        impl = type(self.model.layers[maps.split].self_attn.attn.impl).__name__
+        if missing or impl not in ATTENTION_IMPLS:
+            why = (
+                f"no raw k/v weights for layers {missing}" if missing else f"attention backend {impl} is not supported"
+            )
+            log.warning("RidgeFill: %s; serving stock", why)
+            return
         device = next(self.parameters()).device
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = {}
@@ -159,7 +200,7 @@ class RidgeFillMixin:
             if m:
                 shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
                 kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, self._rf_dtype)
-        sink, tail, share, mode = serve_options(cfg, maps.manifest)
+        sink, tail, share, mode = self._rf_options
         classifier = RowClassifier(sink, tail, share, maps.scores)
         self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
         if self._rf_prefix_caching:  # filled blocks are salted and never reused by protected rows
@@ -196,8 +237,7 @@ class RidgeFillMixin:
         for layer in m.layers[: st.split]:
             h, res = layer(pos, h, res)
         stream = h if res is None else h + res
-        keep = rows.protected[:n].to(stream.device)
-        prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
+        prot, bulk = rows.indices(stream.device)
         x, split_bulk = stream[prot], stream[bulk]
         x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
         bulk_runs = bulk_rows(rows) if st.mode == "plumb" else None

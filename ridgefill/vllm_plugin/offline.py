@@ -75,9 +75,13 @@ def ttft_engine(llm):
     state = served_model(llm).ridgefill
     if state is None:
         raise RuntimeError("the engine serves no RidgeFill maps (see its warning)")
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError("TTFT needs prefix caching off: repeats of one prompt would be served from the cache")
     params = SamplingParams(temperature=0.0, max_tokens=1)
 
     def run(ids, plan) -> float:
+        if plan.mode not in ("exact", state.mode):
+            raise ValueError(f"this engine serves {state.mode!r} (or exact), not {plan.mode!r}")
         state.enabled = plan.mode != "exact"
         t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids[0].tolist())], params, use_tqdm=False)

@@ -9,7 +9,8 @@ and the sink. RidgeFill therefore:
   bulk and sink rows only, never tail rows computed over filled K/V or decoded tokens;
 - lets a RidgeFill request reuse blocks only below its own tail, so its protected rows are computed.
 A request served from the cache thus gets the K/V it would have written itself. Requests asking for
-prompt logprobs run stock (every row needs its logits) and cache like stock ones. With a share above 0 a
+prompt logprobs run stock (every row needs its logits) and cache like stock ones; a streamed (resumable)
+prompt grows, so its rows' classes are not final and it neither stores nor reuses blocks. With a share above 0 a
 row's class depends on the whole prompt, so RidgeFill requests then neither store nor reuse blocks.
 
 The policy is registered by the model when it loads its maps, which the scheduler sees when the model
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,12 +50,13 @@ class CachePolicy:
 def policy_for(manifest: dict, sink: int, tail: int, share: float, mode: str, enabled: Callable[[], bool]):
     """The policy of a map folder served with these options (the tag names what filled K/V depend on)."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-    return CachePolicy(f"ridgefill/{digest}/{mode}/sink{sink}", sink, tail, share, enabled)
+    nonce = secrets.token_hex(8)  # a stock request cannot pick this engine's salt as its own cache_salt
+    return CachePolicy(f"ridgefill/{digest}/{mode}/sink{sink}/{nonce}", sink, tail, share, enabled)
 
 
 def policy_from_config(vllm_config) -> CachePolicy | None:
     """The policy for an engine whose model runs in other processes; None if it serves no maps."""
-    from ridgefill.maps import MapError, read_manifest
+    from ridgefill.maps import read_manifest
     from ridgefill.vllm_plugin.model import maps_path, serve_options, unsupported
 
     cfg = vllm_config.model_config.hf_config
@@ -62,9 +65,9 @@ def policy_from_config(vllm_config) -> CachePolicy | None:
         return None
     try:
         manifest = read_manifest(Path(path))
-    except (MapError, OSError):
-        return None  # the model refuses the folder too, and serves stock
-    sink, tail, share, mode = serve_options(cfg, manifest)
+        sink, tail, share, mode = serve_options(cfg, manifest)
+    except (OSError, ValueError):  # MapError too: the model refuses the folder as well, and serves stock
+        return None
     return policy_for(manifest, sink, tail, share, mode, lambda: True)
 
 
@@ -111,7 +114,12 @@ def patch_scheduler() -> None:
     def from_engine_core_request(cls, request, block_hasher):
         ids, params = request.prompt_token_ids, request.sampling_params
         stock = ids is None or _policy is None or (params is not None and params.prompt_logprobs is not None)
-        cap = None if stock else _policy.cap(len(ids))
+        if stock:
+            cap = None
+        elif getattr(request, "resumable", False):  # a streamed prompt grows: its rows' classes are not final
+            cap = 0 if _policy.enabled() else None
+        else:
+            cap = _policy.cap(len(ids))
         if cap is not None:  # salt before the block hashes are computed
             request.cache_salt = _salt(request.cache_salt, _policy.tag)
         req = make_request(cls, request, block_hasher)
