@@ -113,15 +113,16 @@ def tune(
         shared = bool(storage and "://" in storage)
         ostudy = tuning.open_study(cfg, tuning.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
         tuning.enqueue_first(ostudy, cfg)
-        tuning.sync(rec, ostudy)  # trials finished by earlier (crashed) runs
+        max_drop = cfg.constraints.max_ruler_drop
+        tuning.sync(rec, ostudy, max_drop)  # trials finished by earlier (crashed) runs
         ctx = {"path": res["path"], "capture": cap, "maps": str(work_dir / cfg.name / "maps")}
 
         def evaluate(batch):
             futures = [tasks.run_trial.submit(n, p.as_dict(), ctx, exact, cfg) for n, p in batch]
             return [_outcome(f) for f in futures]
 
-        ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=lambda t: tasks.record_trial(rec, cfg.name, t))
-        tuning.sync(rec, ostudy)  # trials other workers finished
+        ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=lambda t: tasks.record_trial(rec, cfg.name, t, max_drop))
+        tuning.sync(rec, ostudy, max_drop)  # trials other workers finished
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
     published = _publish(cfg, best, db_path, log) if publish and best["best_map"] else None
 

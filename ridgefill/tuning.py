@@ -86,11 +86,12 @@ def _rdb(url: str, tries: int = 5) -> optuna.storages.RDBStorage:
 
 def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int = 0) -> optuna.Study:
     """Create or load the study (resumes after a crash); seed_offset keeps parallel workers apart."""
-    sampler = optuna.samplers.TPESampler(
-        seed=cfg.budget.seed + seed_offset, n_startup_trials=max(2, cfg.budget.trials // 3), multivariate=True
-    )
-    study = optuna.create_study(
-        study_name=cfg.name, storage=store, directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True
+    study = optuna.create_study(study_name=cfg.name, storage=store, directions=list(DIRECTIONS), load_if_exists=True)
+    # a resumed study gets a fresh seed, or its random start phase would re-draw the points it already ran
+    study.sampler = optuna.samplers.TPESampler(
+        seed=cfg.budget.seed + seed_offset + len(study.trials),
+        n_startup_trials=max(2, cfg.budget.trials // 3),
+        multivariate=True,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -155,9 +156,12 @@ def recover(study: optuna.Study) -> list[int]:
         h, _, pid = owner.rpartition(":")
         if h != host or not pid.isdigit() or _alive(int(pid)):
             continue
-        study._storage.set_trial_user_attr(t._trial_id, "error", "its process died; parameters re-enqueued")
+        retried = "retry_of" in t.user_attrs  # died twice: the parameters themselves may kill the process
+        note = "its process died again; not retried" if retried else "its process died; parameters re-enqueued"
+        study._storage.set_trial_user_attr(t._trial_id, "error", note)
         study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
+        if not retried:
+            study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
         failed.append(t.number)
     if failed:
         log.warning("resumed study %s: trials %s had died and were re-enqueued", study.study_name, failed)
@@ -203,8 +207,10 @@ def optimize(
         for _ in range(min(cfg.budget.parallel, left)):
             trial = study.ask()
             trial.set_user_attr("owner", _owner())
+            params = suggest(trial, cfg.search)
             trial.set_user_attr("sink", cfg.search.sink)
-            batch.append((trial, suggest(trial, cfg.search)))
+            trial.set_user_attr("params", params.as_dict())  # fixed ranges are not suggested, so not in t.params
+            batch.append((trial, params))
         t0 = time.time()
         outs = evaluate([(t.number, p) for t, p in batch])
         for (trial, _), out in zip(batch, outs, strict=True):
@@ -223,13 +229,14 @@ def optimize(
 # --- selection and records -----------------------------------------------------------------------------
 
 
-def feasible(t: FrozenTrial) -> bool:
-    return t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
+def feasible(t: FrozenTrial, max_drop: float) -> bool:
+    """Complete and inside the RULER-drop limit given now (a trial's stored constraint used the limit of its day)."""
+    return t.state == TrialState.COMPLETE and t.values[0] >= -max_drop
 
 
-def front(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:
     """Feasible complete trials not dominated on (RULER delta, speed-up), by trial number."""
-    ok = [t for t in trials if feasible(t)]
+    ok = [t for t in trials if feasible(t, max_drop)]
 
     def dominated(t: FrozenTrial) -> bool:
         a = t.values
@@ -238,13 +245,13 @@ def front(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     return sorted((t for t in ok if not dominated(t)), key=lambda t: t.number)
 
 
-def choose(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
+def choose(trials: Sequence[FrozenTrial], max_drop: float) -> FrozenTrial | None:
     """The best speed-up inside the constraint (ties: the smaller RULER drop, then the earlier trial)."""
-    ok = [t for t in trials if feasible(t)]
+    ok = [t for t in trials if feasible(t, max_drop)]
     return max(ok, key=lambda t: (t.values[1], t.values[0], -t.number), default=None)
 
 
-def record_of(study_name: str, t: FrozenTrial) -> TrialRecord:
+def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
     """The DuckDB record of a finished trial, rebuilt from the trial's storage alone."""
     done = t.state == TrialState.COMPLETE
     metrics = [tuple(m) for m in t.user_attrs.get("metrics", [])]
@@ -252,21 +259,21 @@ def record_of(study_name: str, t: FrozenTrial) -> TrialRecord:
         study=study_name,
         trial=t.number,
         state=t.state.name,
-        params=dict(t.params) | {"sink": t.user_attrs.get("sink")},
+        params=t.user_attrs.get("params") or dict(t.params) | {"sink": t.user_attrs.get("sink")},
         ruler_delta=t.values[0] if done else None,
         speedup=t.values[1] if done else None,
         dnll=t.user_attrs.get("dnll"),
-        feasible=feasible(t) if done else None,
+        feasible=feasible(t, max_drop) if done else None,
         map_path=t.user_attrs.get("map_path"),
         seconds=t.user_attrs.get("seconds"),
         metrics=metrics,
     )
 
 
-def sync(recorder: Recorder, study: optuna.Study) -> int:
+def sync(recorder: Recorder, study: optuna.Study, max_drop: float) -> int:
     """Upsert every finished trial of the study (whoever ran it) into DuckDB; returns how many."""
     done = study.get_trials(deepcopy=False, states=FINISHED)
-    recorder.trials([record_of(study.study_name, t) for t in done])
+    recorder.trials([record_of(study.study_name, t, max_drop) for t in done])
     return len(done)
 
 
@@ -319,7 +326,7 @@ def ttft_rows(results: dict) -> list[tuple]:
 
 def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: float) -> str:
     """Markdown: every complete trial, Pareto members and the chosen one marked."""
-    on_front = {t.number for t in front(trials)}
+    on_front = {t.number for t in front(trials, max_drop)}
     lines = [
         f"Constraint: RULER drop <= {max_drop:g} points. `*` Pareto front, `**` chosen.",
         "",
@@ -332,7 +339,7 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
             f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {t.values[1]:.3f}x | "
-            f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t) else 'no'} | {mark} |"
+            f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t, max_drop) else 'no'} | {mark} |"
         )
     return "\n".join(lines)
 
@@ -345,10 +352,10 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     import matplotlib.pyplot as plt
 
     done = [t for t in trials if t.state == TrialState.COMPLETE]
-    fr = front(done)
+    fr = front(done, max_drop)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    ok = [t for t in done if feasible(t)]
-    bad = [t for t in done if not feasible(t)]
+    ok = [t for t in done if feasible(t, max_drop)]
+    bad = [t for t in done if not feasible(t, max_drop)]
     ax.scatter([t.values[1] for t in ok], [t.values[0] for t in ok], c="tab:blue", label="feasible")
     ax.scatter([t.values[1] for t in bad], [t.values[0] for t in bad], c="tab:gray", marker="x", label="infeasible")
     ax.plot([t.values[1] for t in fr], [t.values[0] for t in fr], "o-", c="tab:orange", label="Pareto front")

@@ -169,9 +169,9 @@ def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> 
 
 
 @task(cache_policy=NO_CACHE)
-def record_trial(recorder: Recorder, study_name: str, trial) -> None:
+def record_trial(recorder: Recorder, study_name: str, trial, max_drop: float) -> None:
     """Write one finished trial (parameters, objectives, metric rows) as one DuckDB transaction."""
-    recorder.trials([tuning.record_of(study_name, trial)])
+    recorder.trials([tuning.record_of(study_name, trial, max_drop)])
 
 
 @task(cache_policy=NO_CACHE)
@@ -180,13 +180,14 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
     from ridgefill.maps import sha256_file
 
     trials = study.get_trials(deepcopy=False)
-    fr, best = tuning.front(trials), tuning.choose(trials)
+    max_drop = cfg.constraints.max_ruler_drop  # today's limit, also for trials run under another
+    fr, best = tuning.front(trials, max_drop), tuning.choose(trials, max_drop)
     keep = {t.number: t for t in fr} | ({best.number: best} if best else {})
     rows = []
     for t in keep.values():
         mp = t.user_attrs.get("map_path")
         sha = sha256_file(Path(mp) / "ridgefill.json") if mp and Path(mp, "ridgefill.json").is_file() else None
-        p = t.params
+        p = t.user_attrs.get("params") or t.params
         rows.append(
             (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
              p.get("share"), t.values[0], t.values[1])

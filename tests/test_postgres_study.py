@@ -84,6 +84,7 @@ WORKER = textwrap.dedent(
     from ridgefill.results import Recorder
     from ridgefill.study import load_study
     cfg = load_study({study!r}, {overrides!r})
+    DROP = cfg.constraints.max_ruler_drop
     s = tuning.open_study(cfg, tuning.storage({url!r}, {root!r}, cfg.name), seed_offset={seed})
     tuning.enqueue_first(s, cfg)
 
@@ -95,7 +96,7 @@ WORKER = textwrap.dedent(
         return [fake_outcome(p) for _, p in batch]
 
     with Recorder({db!r}) as rec:  # each machine keeps its own results file
-        ran = tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))
+        ran = tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
     print("RAN", ran)
     """
 )
@@ -119,6 +120,7 @@ def test_two_workers_share_one_postgres_study(postgres_url, tmp_path):
     assert all(r > 0 for r in ran)
 
     cfg = load_study(STUDY, OVERRIDES)
+    DROP = cfg.constraints.max_ruler_drop
     study = tuning.open_study(cfg, tuning.storage(postgres_url, tmp_path, cfg.name))
     trials = study.get_trials()
     numbers = [t.number for t in trials]
@@ -130,7 +132,7 @@ def test_two_workers_share_one_postgres_study(postgres_url, tmp_path):
     per_worker = [query(tmp_path / f"worker{i}.duckdb", "SELECT trial FROM trials")[1] for i in range(2)]
     assert sorted(n for rows in per_worker for (n,) in rows) == numbers  # each trial recorded by one worker
     with Recorder(tmp_path / "all.duckdb") as rec:
-        tuning.sync(rec, study)
-        tuning.sync(rec, study)
+        tuning.sync(rec, study, DROP)
+        tuning.sync(rec, study, DROP)
     _, rows = query(tmp_path / "all.duckdb", "SELECT count(*), count(DISTINCT trial) FROM trials")
     assert rows == [(len(trials), len(trials))]

@@ -15,6 +15,7 @@ from ridgefill.results import Recorder, TrialRecord, query
 from ridgefill.study import load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
+DROP = load_study(STUDY).constraints.max_ruler_drop
 
 
 def fake_outcome(p: tuning.Params) -> tuning.Outcome:
@@ -61,10 +62,13 @@ def test_front_choose_and_reports(tmp_path):
     deepest_first = sorted(cfg.search.splits, reverse=True)[:3]  # enqueued: each split, the safest first
     assert [p["split"] for p in first] == deepest_first and all(p["tail"] == 256 for p in first)
     trials = study.trials
-    fr, best = tuning.front(trials), tuning.choose(trials)
-    assert all(tuning.feasible(t) for t in fr) and best in fr
-    assert all(t.values[1] <= best.values[1] for t in trials if tuning.feasible(t))
-    assert not any(tuning.feasible(t) for t in trials if t.values[0] < -cfg.constraints.max_ruler_drop)
+    fr, best = (
+        tuning.front(trials, cfg.constraints.max_ruler_drop),
+        tuning.choose(trials, cfg.constraints.max_ruler_drop),
+    )
+    assert all(tuning.feasible(t, DROP) for t in fr) and best in fr
+    assert all(t.values[1] <= best.values[1] for t in trials if tuning.feasible(t, DROP))
+    assert not any(tuning.feasible(t, DROP) for t in trials if t.values[0] < -cfg.constraints.max_ruler_drop)
     md = tuning.table(trials, best, cfg.constraints.max_ruler_drop)
     assert md.count("\n| ") == 6 + 1 and "**" in md
     png = tuning.pareto_png(trials, best, cfg.constraints.max_ruler_drop, tmp_path / "p.png")
@@ -78,11 +82,53 @@ def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
         return [RuntimeError("boom") if n == 1 else fake_outcome(p) for n, p in batch]
 
     with Recorder(tmp_path / "r.duckdb") as rec:
-        tuning.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))
+        tuning.optimize(
+            study,
+            cfg,
+            evaluate,
+            on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]),
+        )
     states = [t.state for t in study.trials]
     assert states.count(TrialState.COMPLETE) == 3 and states[1] == TrialState.FAIL
     assert "boom" in study.trials[1].user_attrs["error"]
     assert query(tmp_path / "r.duckdb", "SELECT trial, state FROM trials WHERE state = 'FAIL'")[1] == [(1, "FAIL")]
+
+
+def test_selection_uses_todays_limit_and_fixed_params_are_recorded(tmp_path):
+    """A limit tightened after trials ran applies to them too; parameters with a fixed range (share 0,
+    not suggested to Optuna) still reach DuckDB."""
+    cfg = load_study(STUDY, {"budget": {"trials": 6}, "search": {"lam": [1e-3, 1e-1], "share": [0.0, 0.0]}})
+    study = tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
+    tuning.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
+    trials = study.trials
+    assert all("share" not in t.params for t in trials)  # never suggested
+    deltas = sorted({t.values[0] for t in trials}, reverse=True)
+    tight = -deltas[1] - 1e-9 if len(deltas) > 1 else 0.0  # excludes all but the best RULER delta
+    best = tuning.choose(trials, tight)
+    assert best is not None and best.values[0] >= -tight
+    assert all(t.values[0] >= -tight for t in tuning.front(trials, tight))
+    assert len(tuning.front(trials, tight)) <= len(tuning.front(trials, DROP))
+    with Recorder(tmp_path / "r.duckdb") as rec:
+        tuning.sync(rec, study, DROP)
+    rows = query(tmp_path / "r.duckdb", "SELECT share, sink, lam FROM trials")[1]
+    assert len(rows) == 6 and all(share == 0.0 and sink is not None and lam is not None for share, sink, lam in rows)
+
+
+def test_a_retry_that_dies_again_is_not_retried(tmp_path):
+    import socket
+
+    cfg, study = _study(tmp_path, trials=2)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = f"{socket.gethostname()}:{int(dead.stdout)}"
+    first = study.ask()
+    first.set_user_attr("owner", owner)
+    assert tuning.recover(study) == [first.number]
+    retry = study.ask()  # the re-enqueued parameters
+    assert retry.user_attrs["retry_of"] == first.number
+    retry.set_user_attr("owner", owner)
+    assert tuning.recover(study) == [retry.number]
+    assert not study.get_trials(states=(TrialState.WAITING,))  # no third attempt
+    assert "died again" in study.trials[retry.number].user_attrs["error"]
 
 
 KILLED = textwrap.dedent(
@@ -94,6 +140,7 @@ KILLED = textwrap.dedent(
     from ridgefill.results import Recorder
     from ridgefill.study import load_study
     cfg = load_study({study!r}, {{"budget": {{"trials": 4}}, "search": {{"lam": [1e-3, 1e-1]}}}})
+    DROP = cfg.constraints.max_ruler_drop
     s = tuning.open_study(cfg, tuning.storage(None, {root!r}, cfg.name))
     tuning.enqueue_first(s, cfg)
     def evaluate(batch):
@@ -101,7 +148,7 @@ KILLED = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-trial, DuckDB and the journal open
         return [fake_outcome(p) for _, p in batch]
     rec = Recorder({db!r})
-    tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))
+    tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
     """
 )
 
@@ -117,10 +164,10 @@ def test_killed_trial_resumes_without_duplicates(tmp_path):
     assert [t.number for t in running] == [2]
     killed_params = running[0].params
     with Recorder(db) as rec:  # the killed writer's file opens whole
-        assert tuning.sync(rec, study) == 2
+        assert tuning.sync(rec, study, DROP) == 2
         tuning.optimize(study, cfg, lambda b: [fake_outcome(p) for _, p in b],
-                        on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t)]))  # fmt: skip
-        tuning.sync(rec, study)  # a second sync replays everything: still no duplicates
+                        on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))  # fmt: skip
+        tuning.sync(rec, study, DROP)  # a second sync replays everything: still no duplicates
     trials = study.trials
     assert [t.state for t in trials].count(TrialState.COMPLETE) == 4
     assert trials[2].state == TrialState.FAIL and trials[3].params == killed_params  # retried first
