@@ -79,8 +79,9 @@ def retune(
             run = run_deployment(f"tune/{cfg.name}", parameters={"study": path}, timeout=0)
             run_id = str(run.id)
         runs.append({"study": cfg.name, "repo": cfg.model.repo, "old": old, "new": sha, "flow_run": run_id})
-    state_file.parent.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
+    if trigger:  # a dry run reports and remembers nothing, so the real run still sees the change
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
     return runs
 
 

@@ -1,5 +1,8 @@
 """`tune(study)`: tune RidgeFill for one model end to end and leave the best map ready to publish.
 
+The study is named per weights (`<spec>-<weights hash>`, `tuning.run_name`): a new model release starts
+a fresh search and publishes under its own tag, a rerun on the same weights resumes.
+
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
 (fit -> RULER/dNLL -> paired TTFT; each recorded in DuckDB as it finishes) -> Pareto front and the
 chosen map (best speed-up inside the RULER-drop constraint) recorded and attached as artifacts ->
@@ -54,7 +57,7 @@ def _outcome(future):
         return e
 
 
-def _publish(cfg: Study, best: dict, db: Path, log) -> str | None:
+def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | None:
     """Publish the chosen map through `registry.publish_best` if the registry package is importable
     (called after the recorder closed: the registry records the publication in the same file)."""
     try:
@@ -66,11 +69,19 @@ def _publish(cfg: Study, best: dict, db: Path, log) -> str | None:
     if fn is None:
         log.info("registry has no publish_best; skipping publish")
         return None
-    where = fn(db=db, study=cfg.name, map_path=best["best_map"])
+    try:
+        where = fn(db=db, study=cfg.name, map_path=best["best_map"])
+    except Exception as e:  # the study and its results stand; the map can be published later
+        log.error(
+            "publishing failed (%s: %s); the chosen map stays at %s: `ridgefill publish --db %s --study %s`",
+            type(e).__name__, e, best["best_map"], db, cfg.name,
+        )  # fmt: skip
+        return None
     with Recorder(db) as rec:
         rec.published(cfg.name, best["chosen"], str(where))
     log.info("published the chosen map: %s", where)
-    log.info("pulled back and served: %s", tasks.serve_pulled(cfg, where, best["best_map"]))
+    served = tasks.serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best["best_map"])
+    log.info("pulled back and served: %s", served)
     return str(where)
 
 
@@ -98,17 +109,21 @@ def tune(
     cal = cfg.calibration
 
     res = tasks.resolve_model(cfg)
+    spec = cfg.name
+    cfg = cfg.model_copy(update={"name": tuning.run_name(spec, res["fingerprint"])})  # per weights
+    log.info("study %s: %s at %s", cfg.name, cfg.model.repo, res["revision"])
     corpus = tasks.corpus_sha(cal.source)
     cap_args = (res["fingerprint"], corpus, sorted(cfg.search.splits), res["path"], *m, cal.source)
     cap_kw = dict(window=cal.window, max_windows=cal.max_windows, heldout=cal.heldout, root=str(work_dir / "captures"))
     cap = tasks.capture(*cap_args, **cap_kw)
     if not Path(cap, "capture.json").is_file():  # the cached result points at a capture deleted since
         cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
-    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, cfg.objectives.ruler.model_dump())
+    ruler = cfg.objectives.ruler
+    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler))
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
-                  cfg.constraints.max_ruler_drop, cfg.model_dump())  # fmt: skip
+                  cfg.constraints.max_ruler_drop, cfg.model_dump(), spec)  # fmt: skip
         tasks.record_baseline(rec, cfg.name, exact)
         shared = bool(storage and "://" in storage)
         ostudy = tuning.open_study(cfg, tuning.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
@@ -124,7 +139,7 @@ def tune(
         ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=lambda t: tasks.record_trial(rec, cfg.name, t, max_drop))
         tuning.sync(rec, ostudy, max_drop)  # trials other workers finished
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
-    published = _publish(cfg, best, db_path, log) if publish and best["best_map"] else None
+    published = _publish(cfg, best, db_path, res["path"], log) if publish and best["best_map"] else None
 
     png = base64.b64encode(Path(best["png"]).read_bytes()).decode()
     create_markdown_artifact(key=f"{_key(cfg.name)}-pareto", markdown=best["table"], description="trials")
@@ -133,6 +148,7 @@ def tune(
     )
     summary = {
         "study": cfg.name,
+        "spec": spec,
         "trials_run": ran,
         "front": best["front"],
         "chosen": best["chosen"],

@@ -24,7 +24,7 @@ RegistryOpt = Annotated[Path | None, typer.Option("--registry", help="local regi
 EndpointOpt = Annotated[str | None, typer.Option("--endpoint", help="Hub endpoint (default: HF_ENDPOINT or hf.co)")]
 
 
-def _backend(kind: str, registry: Path | None, endpoint: str | None, private: bool | None = None) -> Backend:
+def _backend(kind: str, registry: Path | None, endpoint: str | None, private: bool = True) -> Backend:
     from registry.publish import default_backend
 
     if kind == "hub" or (kind == "auto" and endpoint):
@@ -48,7 +48,7 @@ def publish_cmd(
     base_model: Annotated[str | None, typer.Option(help="Hub id of the base model (default: from manifest)")] = None,
     base_revision: Annotated[str | None, typer.Option(help="revision of the base model")] = None,
     license: Annotated[str | None, typer.Option(help="card license (default: the maps' credit)")] = None,
-    private: Annotated[bool | None, typer.Option(help="create the Hub repo private")] = None,
+    private: Annotated[bool, typer.Option("--private/--public", help="visibility of a Hub repo it creates")] = True,
     backend: BackendOpt = "auto",
     registry: RegistryOpt = None,
     endpoint: EndpointOpt = None,

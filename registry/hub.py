@@ -7,6 +7,7 @@ The token is handed to huggingface_hub and never formatted into a message, a log
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -19,6 +20,11 @@ from ridgefill.maps import MANIFEST
 log = logging.getLogger(__name__)
 BRANCH = "main"
 LIBRARY_TAG = "ridgefill"  # library_name in the card becomes this tag on the Hub
+
+
+def git_blob_id(data: bytes) -> str:
+    """Git's object id of a file's bytes (what the Hub reports as a file's oid)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _is_map_file(name: str) -> bool:
@@ -35,23 +41,28 @@ class HubBackend:
         token: str | None = None,
         endpoint: str | None = None,
         cache_dir: Path | None = None,
-        private: bool | None = None,
+        private: bool = True,
     ) -> None:
         self._api = HfApi(endpoint=endpoint, token=token, library_name="ridgefill")
         self._token = token
         self.endpoint = self._api.endpoint
         self.cache_dir = cache_dir
-        self.private = private
+        self.private = private  # for repos this backend creates; an existing repo keeps its visibility
 
     def __repr__(self) -> str:  # never shows the token
         return f"HubBackend(endpoint={self.endpoint!r})"
 
     def publish(self, folder: Path, repo_id: str, card: str, *, tag: str | None, message: str) -> Publication:
-        """Create the repo if needed, commit the map files + card to main (dropping stale map files), tag it."""
+        """Create the repo if needed, commit the map files + card to main (dropping stale map files), tag it.
+
+        The tag is checked first: a study tag that already holds these maps is the publication (a rerun
+        after a crash), one that holds other maps is refused before anything is committed."""
         check_repo_id(repo_id)
         folder = Path(folder)
         names = map_files(folder)
         url = self._api.create_repo(repo_id, repo_type="model", private=self.private, exist_ok=True)
+        if tag and (done := self._tagged(repo_id, tag, folder)):
+            return done
         log.info("publishing %s to %s", folder, url)
         present = self._files(repo_id)
         ops: list = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=folder / n) for n in names]
@@ -66,6 +77,17 @@ class HubBackend:
                     raise RegistryError(f"{repo_id}: tag {tag!r} already exists; a study tag never moves") from None
                 raise
         return Publication(self.name, repo_id, tag or BRANCH, info.oid, info.commit_url)
+
+    def _tagged(self, repo_id: str, tag: str, folder: Path) -> Publication | None:
+        """The existing publication if `tag` holds this folder's manifest (hence its files); None if no such tag."""
+        commit = next((t.target_commit for t in self._api.list_repo_refs(repo_id).tags if t.name == tag), None)
+        if commit is None:
+            return None
+        info = self._api.get_paths_info(repo_id, [MANIFEST], revision=commit)
+        if not info or info[0].blob_id != git_blob_id((folder / MANIFEST).read_bytes()):
+            raise RegistryError(f"{repo_id}: tag {tag!r} already exists with other maps; a study tag never moves")
+        log.info("%s@%s already holds these maps", repo_id, tag)
+        return Publication(self.name, repo_id, tag, commit, f"{self.endpoint}/{repo_id}/commit/{commit}")
 
     def _files(self, repo_id: str) -> set[str]:
         return set(self._api.list_repo_files(repo_id, revision=BRANCH)) - IGNORED

@@ -173,5 +173,6 @@ def load_maps(path: Path, model=None, tokenizer=None, device: str | torch.device
     for idx in manifest["late_layers"]:
         t = load_file(path / layer_file(idx), device=str(device))
         weights[int(idx)] = (t["weight"], t["bias"])
-    scores = load_file(path / SCORES, device=str(device))["token_score"] if (path / SCORES).is_file() else None
+    listed = SCORES in manifest["files"]  # verified above; an unlisted scores file is ignored, never trusted
+    scores = load_file(path / SCORES, device=str(device))["token_score"] if listed else None
     return MapSet(manifest, weights, scores, path)

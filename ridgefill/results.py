@@ -21,8 +21,9 @@ COMPAT = "v1.5.0"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS studies (
     study TEXT PRIMARY KEY, model TEXT, revision TEXT, fingerprint TEXT, engine TEXT,
-    max_ruler_drop DOUBLE, config JSON, updated TIMESTAMP DEFAULT current_timestamp
+    max_ruler_drop DOUBLE, config JSON, updated TIMESTAMP DEFAULT current_timestamp, spec TEXT
 );
+ALTER TABLE studies ADD COLUMN IF NOT EXISTS spec TEXT;
 CREATE TABLE IF NOT EXISTS trials (
     study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, sink INTEGER,
     ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, map_path TEXT, params JSON,
@@ -46,8 +47,8 @@ WHERE t.state = 'COMPLETE' AND t.feasible AND NOT EXISTS (
       AND (u.ruler_delta > t.ruler_delta OR u.speedup > t.speedup)
 );
 CREATE OR REPLACE VIEW best_map AS
-SELECT m.* FROM maps m WHERE m.chosen
-QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY m.speedup DESC, m.created DESC) = 1;
+SELECT m.* FROM maps m LEFT JOIN studies s ON s.study = m.study WHERE m.chosen
+QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY s.updated DESC NULLS LAST, m.speedup DESC, m.created DESC) = 1;
 """
 TRIAL_COLS = (
     "study", "trial", "state", "split", "lam", "tail", "share", "sink", "ruler_delta", "speedup", "dnll",
@@ -138,9 +139,21 @@ class Recorder:
                 self.con.execute("ROLLBACK")
                 raise
 
-    def study(self, name: str, model: str, revision: str, fingerprint: str, engine: str, max_drop: float, cfg: dict):
-        cols = ("study", "model", "revision", "fingerprint", "engine", "max_ruler_drop", "config")
-        self._tx([("studies", cols, [(name, model, revision, fingerprint, engine, max_drop, json.dumps(cfg))])], [])
+    def study(
+        self,
+        name: str,
+        model: str,
+        revision: str,
+        fingerprint: str,
+        engine: str,
+        max_drop: float,
+        cfg: dict,
+        spec: str | None = None,
+    ) -> None:
+        """One study run; `name` is per weights (`spec` plus the weights hash), `spec` the study file's name."""
+        cols = ("study", "model", "revision", "fingerprint", "engine", "max_ruler_drop", "config", "spec")
+        row = (name, model, revision, fingerprint, engine, max_drop, json.dumps(cfg), spec or name)
+        self._tx([("studies", cols, [row])], [])
 
     def trials(self, records: Sequence[TrialRecord]) -> None:
         """Upsert trials with their metrics (a trial's old metric rows are replaced, never duplicated)."""
@@ -155,14 +168,11 @@ class Recorder:
             [("DELETE FROM metrics WHERE study = ? AND trial = ?", [study, BASELINE])],
         )
 
-    def maps(self, rows: Sequence[tuple], chosen: tuple[str, int] | None = None) -> None:
-        """Upsert map rows (MAP_COLS) and mark the study's chosen map (only one per study)."""
-        after = []
-        if chosen:
-            after = [
-                ("UPDATE maps SET chosen = false WHERE study = ?", [chosen[0]]),
-                ("UPDATE maps SET chosen = true WHERE study = ? AND trial = ?", list(chosen)),
-            ]
+    def maps(self, rows: Sequence[tuple], study: str, chosen: int | None) -> None:
+        """Upsert map rows (MAP_COLS) and mark the study's chosen map (one per study; none when nothing is feasible)."""
+        after = [("UPDATE maps SET chosen = false WHERE study = ?", [study])]
+        if chosen is not None:
+            after.append(("UPDATE maps SET chosen = true WHERE study = ? AND trial = ?", [study, chosen]))
         self._tx([("maps", MAP_COLS, rows)], [], after)
 
     def published(self, study: str, trial: int, where: str) -> None:

@@ -9,6 +9,7 @@ A trial left RUNNING by a dead process of this host is failed and its parameters
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -82,6 +83,12 @@ def _rdb(url: str, tries: int = 5) -> optuna.storages.RDBStorage:
                 raise
             time.sleep(1.0 + i)
     raise AssertionError("unreachable")
+
+
+def run_name(spec: str, fingerprint: str) -> str:
+    """The study of one spec on one set of weights: new weights (a new release) start a fresh search,
+    while a rerun on the same weights resumes it."""
+    return f"{spec}-{fingerprint.rsplit('-', 1)[-1][:8]}"
 
 
 def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int = 0) -> optuna.Study:
@@ -388,6 +395,17 @@ def haystack(source: str | list[str]):
     return load_haystack(source)
 
 
+def ruler_inputs_sha(r: Ruler) -> str:
+    """What an exact RULER baseline depends on besides the weights and settings: the haystack's words
+    (pydoc changes with the Python install; files get edited) and the RULER code itself."""
+    import ridgefill.evals as evals
+
+    h = hashlib.sha256("\n".join(haystack(r.haystack).words).encode())
+    for src in sorted(Path(evals.__file__).parent.glob("ruler*.py")):
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
 def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
     """The trial's FillPlan: its verified map folder and protected-row policy."""
     from ridgefill.maps import load_maps
@@ -457,6 +475,8 @@ def run_ttft_vllm(model, plan, cfg: Study) -> dict:
     import sys
     import tempfile
 
+    import torch
+
     t = cfg.objectives.ttft
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ttft.json")
@@ -487,6 +507,10 @@ def run_ttft_vllm(model, plan, cfg: Study) -> dict:
         ]
         for n in t.lengths:
             cmd += ["--length", str(n)]
+        cmd += ["--dtype", cfg.model.dtype]
+        if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
+            free, total = torch.cuda.mem_get_info()
+            cmd += ["--gpu-memory", f"{max(0.05, free / total - 0.05):.3f}"]
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

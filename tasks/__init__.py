@@ -74,7 +74,7 @@ def corpus_sha(source: str | list[str]) -> str:
     return load_corpus(source).sha256
 
 
-@task(retries=1, cache_policy=CACHED, persist_result=True)
+@task(retries=1, cache_policy=CACHED, persist_result=True, result_serializer="json")
 def capture(
     fingerprint: str,
     corpus: str,
@@ -124,9 +124,10 @@ def fit(capture_path: str, path: str, dtype: str, device: str, params: dict, out
     return str(folder)
 
 
-@task(cache_policy=CACHED, persist_result=True)
-def exact_ruler(fingerprint: str, path: str, dtype: str, device: str, ruler: dict) -> dict:
-    """The exact baseline's RULER scores, computed once per model weights and RULER settings."""
+@task(cache_policy=CACHED, persist_result=True, result_serializer="json")
+def exact_ruler(fingerprint: str, path: str, dtype: str, device: str, ruler: dict, inputs_sha: str) -> dict:
+    """The exact baseline's RULER scores, computed once per model weights, RULER settings and
+    `inputs_sha` (haystack text and RULER code: `tuning.ruler_inputs_sha`)."""
     from ridgefill.runtime import FillPlan
     from ridgefill.study import Ruler
 
@@ -192,7 +193,7 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
             (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
              p.get("share"), t.values[0], t.values[1])
         )  # fmt: skip
-    recorder.maps(rows, (cfg.name, best.number) if best else None)
+    recorder.maps(rows, cfg.name, best.number if best else None)
     md = tuning.table(trials, best, cfg.constraints.max_ruler_drop)
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,15 +231,14 @@ __all__ = [
 
 
 @task(cache_policy=NO_CACHE)
-def serve_pulled(cfg: Study, publication, local_map: str) -> str:
+def serve_pulled(path: str, dtype: str, device: str, publication, local_map: str) -> str:
     """Pull the published map back through the registry (every check), serve a prompt with it, and make
     sure it decodes exactly as the folder that was measured."""
     from registry import pull
     from ridgefill.maps import load_maps
     from ridgefill.runtime import FillPlan, generate
 
-    path = cfg.model.local if cfg.model.local and cfg.model.local != "default" else None
-    lm, tok = model(path or _default_dir(), cfg.model.dtype, cfg.hardware.device)
+    lm, tok = model(path, dtype, device)
     pulled = pull(publication.repo_id, publication.revision, lm, tok)
     ids = torch.tensor([tok(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
     outs = []
@@ -250,9 +250,3 @@ def serve_pulled(cfg: Study, publication, local_map: str) -> str:
     if outs[0] != outs[1]:
         raise RuntimeError(f"the pulled map {pulled} decodes differently from the measured one {local_map}")
     return f"{pulled} ({len(outs[0])} tokens, identical to the measured map)"
-
-
-def _default_dir() -> str:
-    from ridgefill.default_model import default_model_dir
-
-    return str(default_model_dir())

@@ -138,3 +138,14 @@ def test_map_pair_shares_one_fit(tiny_models, tokenizer, essay_text, tmp_path):
     assert mr.kind == "ridge" and sorted(mr.weights) == [3, 4, 5]
     assert mi.kind == "identity" and mi.weights == {} and mi.manifest["lambda"] is None
     assert mr.manifest["fit"] == mi.manifest["fit"]
+
+
+def test_an_unlisted_scores_file_is_never_loaded(fitted, tmp_path):
+    """Only files the manifest lists (with their sha256) are read."""
+    _, path = fitted
+    folder = _copy(path, tmp_path / "unlisted")
+    manifest = json.loads((folder / "ridgefill.json").read_text())
+    del manifest["files"]["scores.safetensors"]
+    (folder / "ridgefill.json").write_text(json.dumps(manifest))
+    assert (folder / "scores.safetensors").is_file() and load_maps(folder).scores is None
+    assert load_maps(path).scores is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -156,11 +157,15 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
     folder = Path(best[0][2])
     verify_files(folder, read_manifest(folder))
     assert (folder / MANIFEST).is_file()
-    report = Path(env["RIDGEFILL_WORK"]) / "smollm2-135m"
+    _, studies = query(db, "SELECT study, spec, revision FROM studies")
+    assert len(studies) == 1 and studies[0][1:] == ("smollm2-135m", "embedded")
+    name = studies[0][0]  # the study of this spec on these weights
+    assert re.fullmatch(r"smollm2-135m-[0-9a-f]{8}", name)
+    report = Path(env["RIDGEFILL_WORK"]) / name
     assert (report / "pareto.png").stat().st_size > 1000 and "**" in (report / "pareto.md").read_text()
     arts = httpx.post(env["PREFECT_API_URL"] + "/artifacts/filter", json={}).json()
-    assert {"smollm2-135m-pareto", "smollm2-135m-pareto-plot"} <= {a["key"] for a in arts}
+    assert {f"{name}-pareto", f"{name}-pareto-plot"} <= {a["key"] for a in arts}
     # the first run published the chosen map to the local registry, pulled it back and served it
     _, pubs = query(db, "SELECT repo_id, revision, commit_sha FROM publications")
-    assert len(pubs) == 1 and pubs[0][1] == "smollm2-135m"
+    assert len(pubs) == 1 and pubs[0][1] == name
     assert "pulled back and served" in (tmp_path / "worker.log").read_text()

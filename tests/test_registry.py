@@ -12,9 +12,11 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import httpx2
 import huggingface_hub
@@ -36,6 +38,7 @@ from registry import (
     pull,
 )
 from registry.card import EMBEDDED_BASE, make_card
+from registry.hub import git_blob_id
 from ridgefill.cli import app
 from ridgefill.fingerprint import fingerprint
 from ridgefill.maps import MapError, load_maps, read_manifest, write_maps
@@ -232,6 +235,7 @@ class FakeHub:
         if (method, path) == ("POST", "/api/repos/create"):
             body = json.loads(request.content)
             assert body["name"] == "tiny-llama-maps" and body["organization"] == "ridge-org"
+            assert body["visibility"] == "private"  # a repo RidgeFill creates is private unless asked otherwise
             return httpx2.Response(200, json={"url": f"{ENDPOINT}/{REPO}"})
         if (method, path) == ("POST", "/api/validate-yaml"):
             body = json.loads(request.content)
@@ -257,6 +261,20 @@ class FakeHub:
             oid = hashlib.sha1(request.content).hexdigest()
             self.commits[oid] = files
             return httpx2.Response(200, json={"commitUrl": f"{ENDPOINT}/{REPO}/commit/{oid}", "commitOid": oid})
+        if (method, path) == ("GET", f"{base}/refs"):
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": oid} for t, oid in self.tags.items()]
+            return httpx2.Response(200, json={"branches": [], "converts": [], "tags": tags})
+        if method == "POST" and path.startswith(f"{base}/paths-info/"):
+            files = self.commits[path.rsplit("/", 1)[1]]
+            asked = parse_qs(request.content.decode())["paths"]
+            return httpx2.Response(
+                200,
+                json=[
+                    {"type": "file", "path": n, "size": len(files[n]), "oid": git_blob_id(files[n])}
+                    for n in asked
+                    if n in files
+                ],
+            )
         if method == "POST" and path.startswith(f"{base}/tag/"):
             if self.fail_tag_with:
                 return httpx2.Response(self.fail_tag_with, json={"error": "refused"})
@@ -303,6 +321,7 @@ def test_hub_publish_endpoints_and_payloads(hub, maps_dir):
     base = f"/api/models/{REPO}"
     assert hub.calls == [
         ("POST", "/api/repos/create"),
+        ("GET", f"{base}/refs"),
         ("GET", f"{base}/tree/main"),
         ("POST", "/api/validate-yaml"),
         ("POST", f"{base}/preupload/main"),
@@ -319,9 +338,21 @@ def test_hub_publish_endpoints_and_payloads(hub, maps_dir):
     assert hub.deleted == ["layer_009.safetensors"]
     card = ModelCard(files["README.md"].decode()).data.to_dict()
     assert card["library_name"] == "ridgefill" and card["model-index"][0]["results"][1]["metrics"][0]["value"] == 1.74
-    # a study tag never moves
-    with pytest.raises(RegistryError, match="tag 'sweep-1' already exists"):
-        publish(maps_dir, REPO, RESULTS, study="sweep 1", backend=HubBackend(endpoint=ENDPOINT))
+    # the same maps again under the tag (a rerun after a crash): the existing publication, nothing committed
+    again = publish(maps_dir, REPO, RESULTS, study="sweep 1", backend=HubBackend(endpoint=ENDPOINT))
+    assert again.commit_sha == pub.commit_sha and len(hub.commits) == 1
+
+
+def test_hub_refuses_other_maps_under_a_study_tag_before_committing(hub, maps_dir, tmp_path):
+    publish(maps_dir, REPO, RESULTS, study="s1", backend=HubBackend(endpoint=ENDPOINT))
+    other = tmp_path / "other"
+    shutil.copytree(maps_dir, other)
+    manifest = json.loads((other / "ridgefill.json").read_text())
+    manifest["defaults"]["tail"] += 1
+    (other / "ridgefill.json").write_text(json.dumps(manifest))
+    with pytest.raises(RegistryError, match="tag 's1' already exists with other maps"):
+        publish(other, REPO, RESULTS, study="s1", backend=HubBackend(endpoint=ENDPOINT))
+    assert len(hub.commits) == 1  # main did not move
 
 
 def test_hub_pull_offline_from_prepared_cache(hub, monkeypatch, llama, tokenizer, maps_dir, tmp_path):
@@ -463,7 +494,7 @@ def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp
         rec.trials(
             [TrialRecord("smol", 3, "COMPLETE", {"split": 2}, -0.01, 1.6, 0.03, True, str(maps_dir), 1.0, metrics)]
         )
-        rec.maps([("smol", 3, base, str(maps_dir), "sha", 2, 1e-3, 8, 0.0, -0.01, 1.6)], chosen=("smol", 3))
+        rec.maps([("smol", 3, base, str(maps_dir), "sha", 2, 1e-3, 8, 0.0, -0.01, 1.6)], "smol", 3)
         pub = registry.publish_best(db=str(db), study="smol", map_path=str(maps_dir))
         rec.published("smol", 3, str(pub))
         published = rec.con.execute("SELECT published FROM maps").fetchall()

@@ -38,12 +38,19 @@ def test_recorder_upserts_and_views(tmp_path):
         rec.trials(recs)
         rec.trials(recs[:1])  # a replay after a crash must not duplicate
         rec.maps([("s", 1, "m/x", "maps/1", "abc", 15, 1e-2, 64, 0.0, -3.0, 1.5),
-                  ("s", 0, "m/x", "maps/0", "def", 18, 1e-3, 64, 0.0, -1.0, 1.2)], ("s", 1))  # fmt: skip
-        rec.maps([], ("s", 1))
+                  ("s", 0, "m/x", "maps/0", "def", 18, 1e-3, 64, 0.0, -1.0, 1.2)], "s", 1)  # fmt: skip
+        rec.maps([], "s", 1)
     assert query(db, "SELECT count(*) FROM trials")[1] == [(4,)]
     assert query(db, "SELECT count(*) FROM metrics")[1] == [(1,)]
     assert query(db, "SELECT trial FROM pareto ORDER BY trial")[1] == [(0,), (1,)]
     assert query(db, "SELECT model, trial, path FROM best_map")[1] == [("m/x", 1, "maps/1")]
+    with Recorder(db) as rec:  # a newer run of the model (new weights) chooses a slower map: it is what to serve
+        rec.study("s-new", "m/x", "rev2", "fp2", "transformers", 2.0, {}, spec="s")
+        rec.maps([("s-new", 0, "m/x", "maps/new", "ghi", 18, 1e-3, 64, 0.0, -1.0, 1.1)], "s-new", 0)
+    assert query(db, "SELECT study, path FROM best_map")[1] == [("s-new", "maps/new")]
+    with Recorder(db) as rec:  # nothing feasible in a rerun: no chosen map is left behind
+        rec.maps([], "s-new", None)
+    assert query(db, "SELECT study FROM maps WHERE chosen")[1] == [("s",)]
     with pytest.raises(Exception, match="read-only"):
         query(db, "DELETE FROM trials")
 

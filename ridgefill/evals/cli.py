@@ -163,6 +163,8 @@ def ttft(
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
     chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
+    dtype: Annotated[str, typer.Option(help="vllm: the engine's dtype")] = "float32",
+    gpu_memory: Annotated[float | None, typer.Option(help="vllm: gpu_memory_utilization (GPU share)")] = None,
     repeats: int = 5,
     warmup: int = 1,
     out: Path | None = None,
@@ -184,7 +186,10 @@ def ttft(
         path = str(model_path(model))
         given = {"sink": sink, "tail": tail, "share": share, "mode": mode}
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
-        llm = make_llm(path, str(maps), chunk=chunk, max_model_len=max(length) + 16, options=options)
+        llm = make_llm(
+            path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
+            gpu_memory_utilization=gpu_memory,
+        )  # fmt: skip
         ms = load_maps(maps)
         tok = llm.get_tokenizer()
         plan = _plan(ms, mode or "ridge", None, sink, tail, share)

@@ -32,6 +32,7 @@ def make_llm(
     max_num_seqs: int = 8,
     block_size: int | None = None,
     tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -59,6 +60,7 @@ def make_llm(
         max_num_seqs=max_num_seqs,
         block_size=block_size,
         tensor_parallel_size=tensor_parallel_size,
+        **({} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}),
         hf_overrides=overrides or None,
     )
 
