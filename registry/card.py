@@ -55,7 +55,7 @@ def eval_results(results: Mapping, model_name: str) -> list[EvalResult]:
                     task_name=task_name,
                     dataset_type=ds_type,
                     dataset_name=ds_name,
-                    metric_type=metric_type,
+                    metric_type=f"{metric_type}_delta" if "delta" in metric else metric_type,
                     metric_name=metric,
                     metric_value=value,
                 )
@@ -81,7 +81,10 @@ def card_data(
         base_model_revision=revision,
         base_model_relation="adapter",
         library_name=LIBRARY,
-        license=license or manifest.get("credit", {}).get("license", "apache-2.0"),
+        # maps are fitted on the base model's activations: they follow its terms unless told otherwise
+        license=license or ("apache-2.0" if base == EMBEDDED_BASE else "other"),
+        license_name=None if license or base == EMBEDDED_BASE else "same-as-base-model",
+        license_link=None if license or base == EMBEDDED_BASE else f"https://huggingface.co/{base}",
         tags=["ridgefill", "kv-cache", "prefill", f"split-{manifest['split']}", manifest["kind"]],
         model_name=name,
         eval_results=eval_results(results, name) or None,

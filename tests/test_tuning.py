@@ -277,3 +277,24 @@ def test_retune_sees_a_new_hub_revision_offline(tmp_path):
         assert [s.name for s, _, _ in first] == ["qwen3-8b", "llama-3.1-8b"]
     finally:
         server.shutdown()
+
+
+def test_two_processes_record_into_one_file_in_turns(tmp_path):
+    """A Recorder holds the file only per transaction: a second study process and a reader take turns."""
+    db = tmp_path / "r.duckdb"
+    writer = textwrap.dedent(
+        f"""
+        from ridgefill.results import Recorder, TrialRecord
+        rec = Recorder({str(db)!r})
+        for i in range(30):
+            rec.trials([TrialRecord("other", i, "COMPLETE", {{"split": 2}}, -1.0, 1.1, feasible=True)])
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer])
+    with Recorder(db) as rec:
+        for i in range(30):
+            rec.trials([TrialRecord("mine", i, "COMPLETE", {"split": 3}, -1.0, 1.2, feasible=True)])
+            query(db, "SELECT count(*) FROM trials")  # a reader in between
+    assert proc.wait(timeout=120) == 0
+    counts = dict(query(db, "SELECT study, count(*) FROM trials GROUP BY study")[1])
+    assert counts == {"mine": 30, "other": 30}
