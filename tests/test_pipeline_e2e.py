@@ -116,11 +116,13 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
     deps = {d["name"]: d for d in httpx.post(env["PREFECT_API_URL"] + "/deployments/filter", json={}).json()}
     assert {"smollm2-135m", "qwen3-8b", "llama-3.1-8b", "nightly"} <= set(deps)
     assert deps["nightly"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+    step = {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT.resolve())}}
+    assert deps["smollm2-135m"]["pull_steps"] == [step]  # the checkout, recorded at deploy time
 
     wlog = open(tmp_path / "worker.log", "w")
     worker = subprocess.Popen(
         [PREFECT, "worker", "start", "--pool", "cpu-process", "--type", "process"],
-        cwd=ROOT, env=env, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=tmp_path, env=env, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True,  # not the checkout
     )  # fmt: skip
     db = tmp_path / "results.duckdb"
     try:

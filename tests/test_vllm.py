@@ -140,16 +140,23 @@ def test_ridge_chunk256_batched_with_decode_and_share(setup):
         assert_matches(result, reference(s["lm"], prompt, plan))
 
 
-def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup):
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup, engine_process):
     """One request at a time with prefix caching on: a stock (all-protected) prompt and RidgeFill prompts
     sharing prefixes. RidgeFill never reads a stock block, a reused RidgeFill block never covers a row the
-    new request protects, and every output equals the reference runtime run without any cache."""
+    new request protects, and every output equals the reference runtime run without any cache. Also with
+    the engine core in its own process, as `vllm serve` runs it."""
     s = setup
     a, b = s["prompts"]
     prompts = [a[:52], a, a[:560] + b[:40], a[:300], a[:52]]  # 52 = sink 4 + tail 48: served stock
     case = _case(s, prompts, s["maps"]) | {"prefix_caching": True, "sequential": True, "block_size": 32}
-    got = run_vllm(s["root"], "prefix", case)
-    assert got["ridgefill_active"] and got["prefix_caching"] is True
+    got = run_vllm(
+        s["root"], f"prefix{int(engine_process)}", case, VLLM_ENABLE_V1_MULTIPROCESSING=str(int(engine_process))
+    )
+    if engine_process:  # the model and scheduler live in the engine process: read its log
+        assert "RidgeFill: active" in got["log"] and "filled blocks kept apart" in got["log"]
+    else:
+        assert got["ridgefill_active"] and got["prefix_caching"] is True
     # a[:52] is stored in stock blocks, which a (RidgeFill) does not reuse; a stores its blocks below its
     # tail (600 - 48 = 552 -> 17 blocks of 32); the next two reuse them up to their own tails
     # (552 -> 544, 252 -> 224); a[:52] again finds its own stock block
