@@ -126,6 +126,17 @@ def test_ridge_equals_reference(setup, chunk):
     assert_matches(got["results"][0], reference(s["lm"], s["prompts"][0], plan))
 
 
+def test_ridge_with_torch_compile_equals_reference(setup):
+    """Not eager: vLLM compiles the stock model (inductor on the CPU); RidgeFill's steps run its layers
+    eagerly beside it and still equal the reference."""
+    s = setup
+    case = _case(s, s["prompts"][:1], s["maps"], chunk=256) | {"enforce_eager": False}
+    got = run_vllm(s["root"], "compiled", case)
+    assert got["ridgefill_active"] and "Warming up model for the compilation" in got["log"]
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    assert_matches(got["results"][0], reference(s["lm"], s["prompts"][0], plan))
+
+
 def test_ridge_chunk256_batched_with_decode_and_share(setup):
     """Two requests in one engine with 256-token chunks: the short one decodes while the long one is
     still prefilling, and a score-selected share of rows is protected. Prefix caching is on; with a

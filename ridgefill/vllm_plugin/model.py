@@ -150,8 +150,9 @@ class RidgeFillMixin:
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
-        if not mc.enforce_eager:
-            log.warning("RidgeFill: tested with enforce_eager only; CUDA graphs and torch.compile are untested")
+        graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        if not mc.enforce_eager and graphs is not None and graphs.name != "NONE":
+            log.warning("RidgeFill: CUDA graphs (%s) are untested with RidgeFill; --enforce-eager is safe", graphs.name)
         self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._rf_pending = (maps, tok)
         self._rf_cfg = cfg
@@ -241,21 +242,30 @@ class RidgeFillMixin:
         x, split_bulk = stream[prot], stream[bulk]
         x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
         bulk_runs = bulk_rows(rows) if st.mode == "plumb" else None
+        some = bool(rows.runs)  # a chunk may hold bulk rows only: it writes K/V and runs nothing else
         for idx in range(st.split, len(m.layers)):
             layer = m.layers[idx]
             bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
-            k_b, v_b = self._write_rows(st, layer, idx, bulk_in, pos[bulk])
-            q, k, v = self._qkv(layer, x, pos[prot])
-            key, value = stream.new_empty(n, k_b.shape[-1]), stream.new_empty(n, k_b.shape[-1])
-            key[prot], key[bulk], value[prot], value[bulk] = k, k_b, v, v_b
+            key, value = self._write_rows(st, layer, idx, bulk_in, pos[bulk])
+            if some:  # (zero-row tensors trip some kernels' reshapes, so protected work is skipped outright)
+                q, k_p, v_p = self._qkv(layer, x, pos[prot])
+                key, value = self._interleave(key, k_p, bulk, prot, n), self._interleave(value, v_p, bulk, prot, n)
             write_kv(layer.self_attn.attn, key, value)
             if bulk_runs is not None:
                 qb, _, _ = self._qkv(layer, x_bulk, pos[bulk])
                 x_bulk = self._finish(layer, x_bulk, attend(layer.self_attn.attn, qb, bulk_runs))
-            if rows.runs:  # a chunk may hold bulk rows only: it writes K/V and attends for nothing
+            if some:
                 x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))
         out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
-        out[prot] = m.norm(x)
+        if some:
+            out[prot] = m.norm(x)
+        return out
+
+    @staticmethod
+    def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
+        """Bulk and protected K (or V) rows back into the step's token order."""
+        out = rows_b.new_empty(n, rows_b.shape[-1])
+        out[bulk], out[prot] = rows_b, rows_p
         return out
 
     @staticmethod

@@ -33,6 +33,7 @@ def make_llm(
     block_size: int | None = None,
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
+    enforce_eager: bool = True,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -51,7 +52,7 @@ def make_llm(
     return LLM(
         model=model,
         dtype=dtype,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         max_model_len=max_model_len,
         seed=0,
         enable_prefix_caching=prefix_caching,
@@ -105,6 +106,7 @@ def run_case(case: dict) -> dict:
         prefix_caching=case.get("prefix_caching", False),
         block_size=case.get("block_size"),
         tensor_parallel_size=case.get("tp", 1),
+        enforce_eager=case.get("enforce_eager", True),
     )
     params = SamplingParams(
         temperature=0.0,

@@ -133,6 +133,8 @@ def patch_scheduler() -> None:
         if cap <= 0 or not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         blocks, hit, _ = self.coordinator.find_longest_cache_hit(request.block_hashes, min(cap, request.num_tokens - 1))
+        if hit and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "") == "full":
+            self.coordinator.emit_cached_block_events(request, blocks)  # as the stock lookup does
         return self.create_kv_cache_blocks(blocks), hit, 0
 
     def capped_cache_blocks(self, request, num_computed_tokens: int) -> None:
