@@ -290,6 +290,54 @@ def test_tensor_parallel_ridge_with_prefix_cache_equals_reference(tmp_path, toke
         assert_matches(result, reference(model, prompt, plan))
 
 
+def test_openai_server_serves_maps_named_in_the_environment(setup, tmp_path):
+    """The documented serving path: vLLM's OpenAI server with RIDGEFILL_MAPS set (stock architecture names,
+    the engine core in its own process, prefix caching at its default). A repeated prompt is served from
+    the cache; both answers equal the reference runtime's."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    s = setup
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RIDGEFILL_MAPS": s["maps"], "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(tmp_path / "server.log", "w")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", s["model"], "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024"]
+    cmd += ["--block-size", "128", "--enable-prompt-tokens-details"]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(1)
+        body = {"model": s["model"], "prompt": s["prompts"][0], "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        body["return_token_ids"] = True
+        answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=300).json() for _ in range(2)]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "RidgeFill: active on LlamaForCausalLM" in text and "filled blocks kept apart" in text
+    want = reference(s["lm"], s["prompts"][0], FillPlan("ridge", maps=s["ms"], sink=4, tail=48))["tokens"]
+    assert [a["choices"][0]["token_ids"] for a in answers] == [want, want]
+    cached = [(a["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) for a in answers]
+    assert cached == [0, 512]  # 600 tokens, tail 48: blocks of 128 below 552 are reused
+
+
 def test_ttft_cli_on_vllm_engine(setup, tmp_path):
     """`ridgefill eval ttft --engine vllm` pairs exact and RidgeFill on one engine (values are not asserted)."""
     s = setup
