@@ -180,8 +180,8 @@ def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict,
 
 
 def _connect(db_path: Path):
-    """The results file through the pipeline's `connect` (same configuration as its Recorder, so that a
-    publish inside the tuning flow shares the Recorder's database instance instead of failing to open it)."""
+    """The results file through the pipeline's `connect`: the same configuration as its Recorder, and the
+    same wait while another process holds the file."""
     from ridgefill.results import connect
 
     return connect(db_path)
