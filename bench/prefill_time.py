@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ridgefill.evals.ttft import random_prompt
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
 from ridgefill.runtime import FillPlan, prefill, protected_rows
@@ -44,7 +45,7 @@ def main() -> None:
         s: FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), tail=args.tail) for s in args.splits
     }
     for n in args.lengths:
-        ids = torch.randint(100, tok.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = random_prompt(tok.vocab_size, n)
         for plan in [FillPlan(), *plans.values()]:  # warm-up
             timed(model, ids, plan)
         exact, ridge = [], {s: [] for s in plans}

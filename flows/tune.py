@@ -6,7 +6,7 @@ a fresh search and publishes under its own tag, a rerun on the same weights resu
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
 (fit -> RULER/dNLL -> paired TTFT; each recorded in DuckDB as it finishes) -> Pareto front and the
 chosen map (best speed-up inside the RULER-drop constraint) recorded and attached as artifacts ->
-publish through `registry.publish_best` when that package is importable.
+publish through `registry.publish_best`.
 
 Run without a server (Prefect's ephemeral mode): `python flows/tune.py studies/smollm2-135m.yaml`.
 """
@@ -33,8 +33,7 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 
 import tasks  # noqa: E402
 from ridgefill import tuning  # noqa: E402
-from ridgefill.default_model import cache_root  # noqa: E402
-from ridgefill.results import Recorder  # noqa: E402
+from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.study import Study, load_study  # noqa: E402
 
 
@@ -58,19 +57,12 @@ def _outcome(future):
 
 
 def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | None:
-    """Publish the chosen map through `registry.publish_best` if the registry package is importable
-    (called after the recorder closed: the registry records the publication in the same file)."""
+    """Publish the chosen map through `registry.publish_best` (the registry records the publication in the
+    same results file)."""
+    import registry
+
     try:
-        import registry
-    except ImportError:
-        log.info("registry is not importable; skipping publish (the best map stays at %s)", best["best_map"])
-        return None
-    fn = getattr(registry, "publish_best", None)
-    if fn is None:
-        log.info("registry has no publish_best; skipping publish")
-        return None
-    try:
-        where = fn(db=db, study=cfg.name, map_path=best["best_map"])
+        where = registry.publish_best(db=db, study=cfg.name, map_path=best["best_map"])
     except Exception as e:  # the study and its results stand; the map can be published later
         log.error(
             "publishing failed (%s: %s); the chosen map stays at %s: `ridgefill publish --db %s --study %s`",
@@ -102,8 +94,8 @@ def tune(
 
         torch.set_num_threads(cfg.hardware.threads)
     tuning.check_engine(cfg.engine)
-    work_dir = Path(work or os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
-    db_path = Path(db or os.environ.get("RIDGEFILL_DB") or work_dir / "ridgefill.duckdb")
+    work_dir = Path(work) if work else default_work()
+    db_path = Path(db) if db else default_db(work_dir)
     storage = storage or os.environ.get("RIDGEFILL_OPTUNA_STORAGE")
     m = (cfg.model.dtype, cfg.hardware.device)
     cal = cfg.calibration
@@ -137,7 +129,8 @@ def tune(
             return [_outcome(f) for f in futures]
 
         ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=lambda t: tasks.record_trial(rec, cfg.name, t, max_drop))
-        tuning.sync(rec, ostudy, max_drop)  # trials other workers finished
+        if shared:
+            tuning.sync(rec, ostudy, max_drop)  # trials other workers finished (this one's are recorded)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
     published = _publish(cfg, best, db_path, res["path"], log) if publish and best["best_map"] else None
 

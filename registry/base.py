@@ -80,6 +80,6 @@ def tag_for(study: str) -> str:
 
 def check_repo_id(repo_id: str) -> tuple[str, str]:
     parts = repo_id.split("/")
-    if len(parts) != 2 or not all(re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$", p) for p in parts):
+    if len(parts) != 2 or not all(_REF.match(p) for p in parts):
         raise RegistryError(f"repo id must be 'owner/name', got {repo_id!r}")
     return parts[0], parts[1]

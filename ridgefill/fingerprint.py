@@ -48,6 +48,11 @@ def fingerprint(model: nn.Module, tokenizer, split: int) -> dict:
     return fingerprint_from(model.config, tokenizer, dict(model.named_parameters()), split, type(model).__name__)
 
 
+def anchors(params: dict[str, torch.Tensor], split: int, num_layers: int) -> dict[str, str]:
+    """sha256 of the anchor weights present in `params` (checkpoint names)."""
+    return {name: tensor_hash(params[name]) for name in anchor_names(split, num_layers) if name in params}
+
+
 def fingerprint_from(cfg, tokenizer, params: dict[str, torch.Tensor], split: int, default_arch: str = "") -> dict:
     """The same fingerprint from a config, a tokenizer and weights by checkpoint name (as vLLM loads them)."""
     archs = list(getattr(cfg, "architectures", None) or [default_arch])
@@ -61,7 +66,7 @@ def fingerprint_from(cfg, tokenizer, params: dict[str, torch.Tensor], split: int
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "vocab_size": cfg.vocab_size,
         "tokenizer_sha256": tokenizer_hash(tokenizer),
-        "anchors": {name: tensor_hash(params[name]) for name in anchor_names(split, num_layers) if name in params},
+        "anchors": anchors(params, split, num_layers),
         "name_or_path": str(getattr(cfg, "name_or_path", "")),
     }
 

@@ -10,6 +10,7 @@ The file is created with `storage_compatibility_version='v1.5.0'` so the duckdb 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -66,9 +67,11 @@ BASELINE = -1  # the trial number under which a study's exact baselines are reco
 LOCK_WAIT_S = 300.0  # how long a writer or reader waits for another process to let go of the file
 
 
-def connect(path: str | Path, read_only: bool = False, wait_s: float = LOCK_WAIT_S) -> duckdb.DuckDBPyConnection:
-    """Open (creating with the v1.5.0 storage format and the schema) or read a results file, waiting up to
-    `wait_s` while another process holds it."""
+def connect(
+    path: str | Path, read_only: bool = False, wait_s: float = LOCK_WAIT_S, schema: bool = True
+) -> duckdb.DuckDBPyConnection:
+    """Open (creating with the v1.5.0 storage format and, with `schema`, the tables) or read a results file,
+    waiting up to `wait_s` while another process holds it."""
     path = Path(path)
     deadline = time.monotonic() + wait_s
     while True:
@@ -77,7 +80,8 @@ def connect(path: str | Path, read_only: bool = False, wait_s: float = LOCK_WAIT
                 return duckdb.connect(str(path), read_only=True)
             path.parent.mkdir(parents=True, exist_ok=True)
             con = duckdb.connect(str(path), config={"storage_compatibility_version": COMPAT})
-            con.execute(SCHEMA)
+            if schema:
+                con.execute(SCHEMA)
             return con
         except duckdb.IOException as e:
             if "lock" not in str(e).lower() or time.monotonic() > deadline:
@@ -138,7 +142,7 @@ class Recorder:
 
     def _tx(self, writes: list[tuple[str, Sequence[str], Sequence[Sequence]]], before: list, after=()) -> None:
         """Statements `before`, batched inserts, statements `after`: all or nothing."""
-        with self._lock, connect(self.path) as con:
+        with self._lock, connect(self.path, schema=False) as con:  # __init__ made the schema
             con.execute("BEGIN TRANSACTION")
             try:
                 for q, args in before:
@@ -190,6 +194,18 @@ class Recorder:
 
     def published(self, study: str, trial: int, where: str) -> None:
         self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])
+
+
+def default_work() -> Path:
+    """Where the tune flow keeps captures, maps and reports: $RIDGEFILL_WORK or <cache>/tune."""
+    from ridgefill.default_model import cache_root
+
+    return Path(os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
+
+
+def default_db(work: Path | None = None) -> Path:
+    """The results file: $RIDGEFILL_DB or <work>/ridgefill.duckdb."""
+    return Path(os.environ.get("RIDGEFILL_DB") or (work or default_work()) / "ridgefill.duckdb")
 
 
 def query(path: str | Path, sql: str) -> tuple[list[str], list[tuple]]:

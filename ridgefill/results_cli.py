@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from ridgefill.results import default_db
 
 DEFAULT_SQL = {
     "trials": "SELECT study, trial, state, split, lam, tail, share, ruler_delta, speedup, dnll, feasible "
@@ -15,13 +16,6 @@ DEFAULT_SQL = {
     "pareto": "SELECT study, trial, split, lam, tail, share, ruler_delta, speedup FROM pareto ORDER BY study, speedup",
     "best map": "SELECT model, study, trial, path, ruler_delta, speedup, published FROM best_map ORDER BY model",
 }
-
-
-def default_db() -> Path:
-    from ridgefill.default_model import cache_root
-
-    work = Path(os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
-    return Path(os.environ.get("RIDGEFILL_DB") or work / "ridgefill.duckdb")
 
 
 def _flow():

@@ -9,6 +9,7 @@ A trial left RUNNING by a dead process of this host is failed and its parameters
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -215,7 +216,6 @@ def optimize(
             trial = study.ask()
             trial.set_user_attr("owner", _owner())
             params = suggest(trial, cfg.search)
-            trial.set_user_attr("sink", cfg.search.sink)
             trial.set_user_attr("params", params.as_dict())  # fixed ranges are not suggested, so not in t.params
             batch.append((trial, params))
         t0 = time.time()
@@ -258,6 +258,11 @@ def choose(trials: Sequence[FrozenTrial], max_drop: float) -> FrozenTrial | None
     return max(ok, key=lambda t: (t.values[1], t.values[0], -t.number), default=None)
 
 
+def params_of(t: FrozenTrial) -> dict:
+    """A trial's full parameters (trials of studies begun before they were stored whole: t.params + sink)."""
+    return t.user_attrs.get("params") or dict(t.params) | {"sink": t.user_attrs.get("sink")}
+
+
 def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
     """The DuckDB record of a finished trial, rebuilt from the trial's storage alone."""
     done = t.state == TrialState.COMPLETE
@@ -266,7 +271,7 @@ def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
         study=study_name,
         trial=t.number,
         state=t.state.name,
-        params=t.user_attrs.get("params") or dict(t.params) | {"sink": t.user_attrs.get("sink")},
+        params=params_of(t),
         ruler_delta=t.values[0] if done else None,
         speedup=t.values[1] if done else None,
         dnll=t.user_attrs.get("dnll"),
@@ -341,7 +346,7 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number):
-        p, d = t.params, t.user_attrs.get("dnll")
+        p, d = params_of(t), t.user_attrs.get("dnll")
         mark = "**" if chosen is not None and t.number == chosen.number else ("*" if t.number in on_front else "")
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
@@ -384,45 +389,41 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
 # --- evaluation on a loaded model (what the Prefect tasks call) ------------------------------------------
 
 
-def haystack(source: str | list[str]):
-    """RULER haystack words: 'pydoc' (embedded) or text files/folders."""
-    from ridgefill.evals.ruler import Haystack, load_haystack
-
-    if source == "pydoc":
-        from ridgefill.corpus import load_corpus
-
-        return Haystack(tuple(" ".join(load_corpus("pydoc").documents).split()), "pydoc")
-    return load_haystack(source)
-
-
 def ruler_inputs_sha(r: Ruler) -> str:
     """What an exact RULER baseline depends on besides the weights and settings: the haystack's words
     (pydoc changes with the Python install; files get edited) and the RULER code itself."""
     import ridgefill.evals as evals
+    from ridgefill.evals.ruler import load_haystack
 
-    h = hashlib.sha256("\n".join(haystack(r.haystack).words).encode())
+    h = hashlib.sha256("\n".join(load_haystack(r.haystack).words).encode())
     for src in sorted(Path(evals.__file__).parent.glob("ruler*.py")):
         h.update(src.read_bytes())
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)  # a trial's RULER/dNLL and TTFT steps share one verified load (8B maps: GBs)
+def _trial_maps(maps_path: str, model, tokenizer):
+    from ridgefill.maps import load_maps
+
+    return load_maps(Path(maps_path), model, tokenizer)
+
+
 def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
     """The trial's FillPlan: its verified map folder and protected-row policy."""
-    from ridgefill.maps import load_maps
     from ridgefill.runtime import FillPlan
 
-    maps = load_maps(Path(maps_path), model, tokenizer) if maps_path else None
+    maps = _trial_maps(str(maps_path), model, tokenizer) if maps_path else None
     mode = "ridge" if maps is not None else "identity"
     return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
 
 
 def run_ruler_plan(model, tokenizer, plan, r: Ruler) -> dict:
     """RULER scores {task: {length: cell}} of one plan on the study's tasks, lengths and samples."""
+    from ridgefill.evals.ruler import load_haystack
     from ridgefill.evals.ruler_run import run_ruler
 
-    out = run_ruler(
-        model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), haystack(r.haystack), r.samples, r.seed, False
-    )
+    hay = load_haystack(r.haystack)
+    out = run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, r.samples, r.seed, False)
     return out["scores"].get("p", {})
 
 
@@ -480,37 +481,16 @@ def run_ttft_vllm(model, plan, cfg: Study) -> dict:
     t = cfg.objectives.ttft
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ttft.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "ridgefill.cli",
-            "eval",
-            "ttft",
-            "--engine",
-            "vllm",
-            "--model",
-            str(model.config._name_or_path),
-            "--maps",
-            str(plan.maps.path),
-            "--sink",
-            str(plan.sink),
-            "--tail",
-            str(plan.tail),
-            "--share",
-            str(plan.share),
-            "--repeats",
-            str(t.repeats),
-            "--warmup",
-            str(t.warmup),
-            "--out",
-            out,
-        ]
-        for n in t.lengths:
-            cmd += ["--length", str(n)]
-        cmd += ["--dtype", cfg.model.dtype]
+        opts = {
+            "engine": "vllm", "model": model.config._name_or_path, "maps": plan.maps.path, "sink": plan.sink,
+            "tail": plan.tail, "share": plan.share, "repeats": t.repeats, "warmup": t.warmup,
+            "dtype": cfg.model.dtype, "out": out,
+        }  # fmt: skip
         if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
             free, total = torch.cuda.mem_get_info()
-            cmd += ["--gpu-memory", f"{max(0.05, free / total - 0.05):.3f}"]
+            opts["gpu-memory"] = f"{max(0.05, free / total - 0.05):.3f}"
+        args = [(f"--{k}", str(v)) for k, v in opts.items()] + [("--length", str(n)) for n in t.lengths]
+        cmd = [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", *(a for pair in args for a in pair)]
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -522,9 +502,8 @@ def run_ttft_vllm(model, plan, cfg: Study) -> dict:
 
 def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
     """Paired TTFT per study length on random prompts (seeded by length): {length: paired_ttft result}."""
-    import torch
 
-    from ridgefill.evals.ttft import paired_ttft
+    from ridgefill.evals.ttft import paired_ttft, random_prompt
 
     if cfg.engine == "vllm":
         return run_ttft_vllm(model, plan, cfg)
@@ -533,6 +512,6 @@ def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
     device = next(model.parameters()).device
     out = {}
     for n in t.lengths:
-        ids = torch.randint(100, tokenizer.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = random_prompt(tokenizer.vocab_size, n)
         out[str(n)] = paired_ttft(run, ids.to(device), plan, t.repeats, t.warmup)
     return out

@@ -188,7 +188,7 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
     for t in keep.values():
         mp = t.user_attrs.get("map_path")
         sha = sha256_file(Path(mp) / "ridgefill.json") if mp and Path(mp, "ridgefill.json").is_file() else None
-        p = t.user_attrs.get("params") or t.params
+        p = tuning.params_of(t)
         rows.append(
             (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
              p.get("share"), t.values[0], t.values[1])

@@ -37,21 +37,25 @@ def smollm2(smollm2_dir, tokenizer):
     return model, tokenizer
 
 
-def tiny_model(family: str, vocab_size: int, seed: int = 0, layers: int = 6):
-    """A random model of the family, small enough for CPU tests, with a real-size vocabulary."""
+def tiny_model(family: str, vocab_size: int, seed: int = 0, layers: int = 6, **config):
+    """A random model of the family, small enough for CPU tests, with a real-size vocabulary; `config`
+    overrides the shape (e.g. head_dim=32 for vLLM's CPU attention, num_key_value_heads=1)."""
     cfg_name, cls_name, extra = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(
-        vocab_size=vocab_size,
+    shape = dict(
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
+        **extra,
+    )
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=vocab_size,
+        num_hidden_layers=layers,
         architectures=[cls_name],
         tie_word_embeddings=False,
         attn_implementation="sdpa",
-        **extra,
+        **(shape | config),
     )
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg).eval()

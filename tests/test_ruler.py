@@ -307,6 +307,8 @@ def test_load_haystack_sources(hay, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: rows)
     loaded = ruler.load_haystack(ruler.DatasetSource("x", column="body"))
     assert loaded.words == ("alpha", "beta.", "gamma", "delta.")
+    embedded = ruler.load_haystack("pydoc")  # no files needed
+    assert embedded.source == "pydoc" and len(embedded.words) > 10_000
 
 
 def squad_file(path: Path) -> Path:

@@ -190,40 +190,25 @@ def test_prompt_logprobs_request_runs_stock(setup):
     torch.testing.assert_close(torch.tensor(got["results"][0]["prompt_logprobs"]), want, atol=2e-3, rtol=0)
 
 
-def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
-    """Qwen3's q/k norms on the vLLM path, on a tiny random model with real maps."""
-    model = tiny_model("qwen3", len(tokenizer), layers=6)
-    model.config.head_dim = 32
-    model = type(model)(model.config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
+def _tiny_served(tmp_path, tokenizer, essay_text, family: str, split: int, **config):
+    """A tiny random model saved for vLLM, real maps at `split` (tail 16, sink 4) and a 300-token prompt."""
+    model = tiny_model(family, len(tokenizer), layers=6, head_dim=32, **config)  # 32: the CPU kernel's smallest
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     (tmp_path / "cal.txt").write_text(essay_text[:60000])
+    cal = [str(tmp_path / "cal.txt")]
     cap = run_capture(
-        model,
-        tokenizer,
-        [str(tmp_path / "cal.txt")],
-        [2],
-        window=128,
-        max_windows=16,
-        heldout=2,
-        root=tmp_path,
-        progress=False,
+        model, tokenizer, cal, [split], window=128, max_windows=16, heldout=2, root=tmp_path, progress=False
     )
-    maps_dir = build_maps(
-        model,
-        tokenizer,
-        cap,
-        2,
-        1e-2,
-        tmp_path / "maps",
-        heldout_windows=1,
-        defaults={"tail": 16, "sink": 4, "share": 0.0},
-    )
+    defaults = {"tail": 16, "sink": 4, "share": 0.0}
+    maps_dir = build_maps(model, tokenizer, cap, split, 1e-2, tmp_path / "maps", heldout_windows=1, defaults=defaults)
     ids = tokenizer(essay_text[70000:80000], add_special_tokens=False)["input_ids"][:300]
+    return model, maps_dir, ids
+
+
+def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
+    """Qwen3's q/k norms on the vLLM path, on a tiny random model with real maps."""
+    model, maps_dir, ids = _tiny_served(tmp_path, tokenizer, essay_text, "qwen3", 2)
     case = {
         "model": str(tmp_path / "model"),
         "maps": str(maps_dir),
@@ -242,31 +227,7 @@ def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
 def test_tensor_parallel_ridge_with_prefix_cache_equals_reference(tmp_path, tokenizer, essay_text, kv_heads):
     """Two tensor-parallel ranks (worker processes): each fills its own k/v heads, and the scheduler, which
     does not hold the model, derives the prefix-cache policy from the config."""
-    model = tiny_model("llama", len(tokenizer), layers=6)
-    model.config.num_key_value_heads = kv_heads
-    model.config.head_dim = 32  # the CPU attention kernel's smallest head size
-    model = type(model)(model.config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    (tmp_path / "cal.txt").write_text(essay_text[:60000])
-    cap = run_capture(
-        model,
-        tokenizer,
-        [str(tmp_path / "cal.txt")],
-        [3],
-        window=128,
-        max_windows=16,
-        heldout=2,
-        root=tmp_path,
-        progress=False,
-    )
-    defaults = {"tail": 16, "sink": 4, "share": 0.0}
-    maps_dir = build_maps(model, tokenizer, cap, 3, 1e-2, tmp_path / "maps", heldout_windows=1, defaults=defaults)
-    ids = tokenizer(essay_text[70000:80000], add_special_tokens=False)["input_ids"][:300]
+    model, maps_dir, ids = _tiny_served(tmp_path, tokenizer, essay_text, "llama", 3, num_key_value_heads=kv_heads)
     prompts = [ids, ids[:250]]
     case = {
         "model": str(tmp_path / "model"),

@@ -76,7 +76,7 @@ def ruler(
     out: Path | None = None,
 ) -> None:
     """RULER tasks on exact and the plan (and identity fill), scored overall and by needle region."""
-    from ridgefill.evals.ruler import TASKS, Haystack, load_haystack
+    from ridgefill.evals.ruler import TASKS, load_haystack
     from ridgefill.evals.ruler_run import run_ruler, table
 
     lm, tok, ms = _load(model, maps)
@@ -84,12 +84,7 @@ def ruler(
     plans = {"exact": FillPlan(), f"{plan.mode} S={plan.split}": plan}
     if with_identity and plan.mode != "identity":
         plans[f"identity S={plan.split}"] = FillPlan("identity", plan.split, None, plan.sink, plan.tail)
-    if haystack == ["pydoc"]:
-        from ridgefill.corpus import load_corpus
-
-        hay = Haystack(tuple(" ".join(load_corpus("pydoc").documents).split()), "pydoc")
-    else:
-        hay = load_haystack(haystack[0] if len(haystack) == 1 else haystack)
+    hay = load_haystack(haystack[0] if len(haystack) == 1 else haystack)
     result = run_ruler(lm, tok, plans, task or list(TASKS), length, hay, samples, seed)
     result["config"] = {
         "model": model,
@@ -170,7 +165,7 @@ def ttft(
     out: Path | None = None,
 ) -> None:
     """Paired TTFT, exact vs the plan on the same engine in this process: medians, ratio and its CI."""
-    from ridgefill.evals.ttft import paired_ttft, transformers_engine
+    from ridgefill.evals.ttft import paired_ttft, random_prompt, transformers_engine
 
     if engine == "transformers":
         lm, tok, ms = _load(model, maps)
@@ -179,9 +174,8 @@ def ttft(
     elif engine == "vllm":
         if maps is None:
             raise typer.BadParameter("the vllm engine serves a map folder: give --maps", param_hint="--maps")
-        from ridgefill.maps import load_maps
         from ridgefill.steps import model_path
-        from ridgefill.vllm_plugin.offline import make_llm, ttft_engine
+        from ridgefill.vllm_plugin.offline import make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
         given = {"sink": sink, "tail": tail, "share": share, "mode": mode}
@@ -190,16 +184,15 @@ def ttft(
             path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
             gpu_memory_utilization=gpu_memory,
         )  # fmt: skip
-        ms = load_maps(maps)
+        run = ttft_engine(llm)  # raises if the engine refused the folder
         tok = llm.get_tokenizer()
-        plan = _plan(ms, mode or "ridge", None, sink, tail, share)
-        run = ttft_engine(llm)
+        plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
     typer.echo("| tokens | exact median s | fill median s | speed-up | 95% CI |\n|---|---|---|---|---|")
     for n in length:
-        ids = torch.randint(100, tok.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = random_prompt(tok.vocab_size, n)
         r = paired_ttft(run, ids, plan, repeats, warmup)
         result[str(n)] = r
         typer.echo(

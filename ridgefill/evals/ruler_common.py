@@ -154,7 +154,12 @@ def load_haystack(source: PathLike | Sequence[PathLike] | DatasetSource) -> Hays
     """Read essay-style haystack text from a folder of .txt files, a file, a list of files, or a dataset.
 
     Files are concatenated in sorted (folder) or given order, like RULER's PaulGrahamEssays.json.
+    `"pydoc"` is the embedded text (Python's own documentation), for use with no files at all.
     """
+    if source == "pydoc":
+        from ridgefill.corpus import load_corpus
+
+        return _haystack("\n".join(load_corpus("pydoc").documents), "pydoc")
     if isinstance(source, DatasetSource):
         rows = load_rows(source)
         return _haystack("\n".join(rows[source.column]), f"{source.name}:{source.split}")

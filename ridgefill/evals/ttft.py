@@ -20,6 +20,11 @@ from ridgefill.runtime import FillPlan, prefill
 Engine = Callable[[torch.Tensor, FillPlan], float]
 
 
+def random_prompt(vocab_size: int, n: int) -> torch.Tensor:
+    """The TTFT prompt of length n: random ids (above the special tokens), seeded by n so runs compare."""
+    return torch.randint(100, vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+
+
 def transformers_engine(model: nn.Module) -> Engine:
     """TTFT on the transformers runtime: the prefill, which ends with the first token's logits."""
 

@@ -22,7 +22,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-from ridgefill.fingerprint import anchor_names, compare, fingerprint_from
+from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
 from ridgefill.vllm_plugin import prefix_cache
 from ridgefill.vllm_plugin.backend import attend, write_kv
@@ -126,7 +126,7 @@ class RidgeFillMixin:
 
     def _ridgefill_setup(self, vllm_config) -> None:
         self.ridgefill: ServeState | None = None
-        self._rf_pending: tuple[MapSet, object] | None = None
+        self._rf_pending: tuple[MapSet, dict] | None = None  # maps and the fingerprint so far
         mc = vllm_config.model_config
         cfg = mc.hf_config
         prefix_cache.model_built_here()
@@ -143,7 +143,8 @@ class RidgeFillMixin:
 
             maps = load_maps(path, device="cpu")
             tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-            errors, _ = compare(maps.manifest["model"], fingerprint_from(cfg, tok, {}, maps.split))
+            fp = fingerprint_from(cfg, tok, {}, maps.split)  # anchors follow once the weights stream by
+            errors, _ = compare(maps.manifest["model"], fp)
             if errors:
                 raise MapError("maps do not match this model: " + "; ".join(errors))
             self._rf_options = serve_options(cfg, maps.manifest)
@@ -154,14 +155,14 @@ class RidgeFillMixin:
         if not mc.enforce_eager and graphs is not None and graphs.name != "NONE":
             log.warning("RidgeFill: CUDA graphs (%s) are untested with RidgeFill; --enforce-eager is safe", graphs.name)
         self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self._rf_pending = (maps, tok)
+        self._rf_pending = (maps, fp)
         self._rf_cfg = cfg
         self._rf_dtype = mc.dtype
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         if self._rf_pending is None:
             return super().load_weights(weights)
-        maps, tok = self._rf_pending
+        maps, fp = self._rf_pending
         anchors = set(anchor_names(maps.split, self._rf_cfg.num_hidden_layers))
         kept: dict[str, Tensor] = {}
 
@@ -173,12 +174,13 @@ class RidgeFillMixin:
                 yield name, t
 
         loaded = super().load_weights(tee(weights))
-        self._ridgefill_activate(maps, tok, kept)
+        self._ridgefill_activate(maps, fp, kept)
         return loaded
 
-    def _ridgefill_activate(self, maps: MapSet, tok, kept: dict[str, Tensor]) -> None:
+    def _ridgefill_activate(self, maps: MapSet, fp: dict, kept: dict[str, Tensor]) -> None:
         cfg = self._rf_cfg
-        _, warnings = compare(maps.manifest["model"], fingerprint_from(cfg, tok, kept, maps.split))
+        fp = fp | {"anchors": anchors(kept, maps.split, cfg.num_hidden_layers)}  # the tokenizer is hashed once
+        _, warnings = compare(maps.manifest["model"], fp)
         for w in warnings:
             log.warning("RidgeFill: %s", w)
         missing = [
@@ -242,17 +244,18 @@ class RidgeFillMixin:
         x, split_bulk = stream[prot], stream[bulk]
         x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
         bulk_runs = bulk_rows(rows) if st.mode == "plumb" else None
+        pos_b, pos_p = pos[bulk], pos[prot]  # gathered once a step, not per layer
         some = bool(rows.runs)  # a chunk may hold bulk rows only: it writes K/V and runs nothing else
         for idx in range(st.split, len(m.layers)):
             layer = m.layers[idx]
             bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
-            key, value = self._write_rows(st, layer, idx, bulk_in, pos[bulk])
+            key, value = self._write_rows(st, layer, idx, bulk_in, pos_b)
             if some:  # (zero-row tensors trip some kernels' reshapes, so protected work is skipped outright)
-                q, k_p, v_p = self._qkv(layer, x, pos[prot])
+                q, k_p, v_p = self._qkv(layer, x, pos_p)
                 key, value = self._interleave(key, k_p, bulk, prot, n), self._interleave(value, v_p, bulk, prot, n)
             write_kv(layer.self_attn.attn, key, value)
             if bulk_runs is not None:
-                qb, _, _ = self._qkv(layer, x_bulk, pos[bulk])
+                qb, _, _ = self._qkv(layer, x_bulk, pos_b)
                 x_bulk = self._finish(layer, x_bulk, attend(layer.self_attn.attn, qb, bulk_runs))
             if some:
                 x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))

@@ -12,11 +12,7 @@ import os
 import time
 from pathlib import Path
 
-ARCH_OF = {
-    "llama": "RidgeFillLlamaForCausalLM",
-    "qwen2": "RidgeFillQwen2ForCausalLM",
-    "qwen3": "RidgeFillQwen3ForCausalLM",
-}
+from ridgefill.vllm_plugin import ARCHS
 
 
 def make_llm(
@@ -43,9 +39,8 @@ def make_llm(
 
     overrides = {}
     if maps is not None:
-        family = AutoConfig.from_pretrained(model).model_type
         overrides = {
-            "architectures": [ARCH_OF[family]],
+            "architectures": [ARCHS[AutoConfig.from_pretrained(model).architectures[0]]],
             "ridgefill_maps": str(maps),
             **{f"ridgefill_{k}": v for k, v in (options or {}).items()},
         }
