@@ -82,6 +82,56 @@ def test_front_choose_and_reports(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _trial(number: int, delta: float | None, speedup: float | None, state=TrialState.COMPLETE):
+    """A finished trial as Optuna stores it: values (RULER delta, speed-up), parameters in user_attrs."""
+    from optuna.trial import create_trial
+
+    values = None if state != TrialState.COMPLETE else [delta, speedup]
+    t = create_trial(state=state, values=values, user_attrs={"params": {"split": 10 + number, "lam": 1e-2,
+                                                                        "tail": 64, "share": 0.0, "sink": 4}})
+    t.number = number
+    return t
+
+
+def test_choice_keeps_to_the_constraint_when_an_infeasible_trial_is_fastest():
+    """The fastest trials break the RULER-drop limit: the chosen map is the fastest feasible one, and the
+    front holds feasible trials only. (Mutation check: choosing the best unconstrained trial fails here.)"""
+    trials = [
+        _trial(0, -1.0, 1.20),
+        _trial(1, -25.0, 3.00),  # fastest of all, far outside the limit
+        _trial(2, -5.0, 1.80),  # fastest feasible
+        _trial(3, -10.5, 2.50),  # just outside
+        _trial(4, None, None, TrialState.FAIL),
+        _trial(5, -3.0, 1.50),
+    ]
+    drop = 10.0
+    assert [tuning.feasible(t, drop) for t in trials] == [True, False, True, False, False, True]
+    best = tuning.choose(trials, drop)
+    assert best.number == 2
+    assert [t.number for t in tuning.front(trials, drop)] == [0, 2, 5]
+    assert tuning.choose(trials, 30.0).number == 1  # a looser limit admits the fastest one
+    assert tuning.choose(trials, 0.5) is None  # nothing inside the limit: no map is chosen
+    md = tuning.table(trials, best, drop)
+    chosen_row = next(line for line in md.splitlines() if line.startswith("| 2 |"))
+    assert chosen_row.endswith("| yes | ** |")
+    assert next(line for line in md.splitlines() if line.startswith("| 1 |")).endswith("| no |  |")
+    rec = tuning.record_of("s", trials[1], drop)
+    assert rec.feasible is False and tuning.record_of("s", trials[2], drop).feasible is True
+
+
+def test_choice_tie_break_and_the_limit_itself():
+    """Ties on speed-up go to the smaller RULER drop, then to the earlier trial; a drop equal to the limit
+    is inside it."""
+    drop = 10.0
+    trials = [_trial(0, -4.0, 2.0), _trial(1, -2.0, 2.0), _trial(2, -6.0, 2.0), _trial(3, -9.0, 1.0)]
+    assert tuning.choose(trials, drop).number == 1  # equal speed-up: the smaller drop
+    same = [_trial(4, -2.0, 2.0), _trial(1, -2.0, 2.0), _trial(7, -2.0, 2.0)]
+    assert tuning.choose(same, drop).number == 1  # equal on both: the earliest trial, whatever the order
+    assert [t.number for t in tuning.front(same, drop)] == [1, 4, 7]  # equal trials do not dominate each other
+    edge = [_trial(0, -10.0, 1.5), _trial(1, -10.0 - 1e-9, 1.6)]
+    assert tuning.choose(edge, drop).number == 0 and [t.number for t in tuning.front(edge, drop)] == [0]
+
+
 def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
     cfg, study = _study(tmp_path, trials=3)
 
