@@ -7,14 +7,8 @@ The run must leave trials, a Pareto row and a chosen map in DuckDB, and the map 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,9 +16,9 @@ import pytest
 
 from ridgefill.maps import MANIFEST, read_manifest, verify_files
 from ridgefill.results import query
+from tests.prefect_server import PREFECT, cli, prefect_server, stop  # noqa: F401  (prefect_server: the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-PREFECT = shutil.which("prefect") or str(Path(sys.executable).with_name("prefect"))
 TINY = {
     "calibration": {"tokens": 2048, "window": 256, "heldout": 1},
     "search": {"splits": [18, 20], "tails": [32, 64]},
@@ -39,63 +33,6 @@ TINY = {
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group we started (the worker ignores it outside its own group), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def _cli(env: dict, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    out = subprocess.run([PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    return out
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    port = _free_port()
-    env = os.environ | {
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "PREFECT_LOGGING_LEVEL": "INFO",
-        "OMP_NUM_THREADS": "1",
-        "PWD": str(ROOT),  # prefect.yaml's pull step records the checkout through $PWD
-        "RIDGEFILL_WORK": str(tmp_path / "work"),
-    }
-    log = open(tmp_path / "server.log", "w")
-    cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off"]
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 120 s"
-            time.sleep(0.5)
-        yield env
-    finally:
-        _stop(server)
-        log.close()
-
-
 def _runs(env: dict) -> list[dict]:
     r = httpx.post(env["PREFECT_API_URL"] + "/flow_runs/filter", json={"sort": "EXPECTED_START_TIME_ASC"})
     return r.json()
@@ -107,12 +44,12 @@ def _task_states(env: dict, flow_run_id: str, name: str) -> list[str]:
     return [t["state"]["name"] for t in r.json()]
 
 
-def test_deployment_run_end_to_end(prefect_server, tmp_path):
+def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the imported fixture)
     registry_dir = tmp_path / "registry"
     env = {**prefect_server, "RIDGEFILL_REGISTRY_BACKEND": "local", "RIDGEFILL_REGISTRY": str(registry_dir)}
     for pool in ("cpu-process", "gpu-process"):
-        _cli(env, "work-pool", "create", pool, "--type", "process")
-    _cli(env, "--no-prompt", "deploy", "--all", timeout=300)
+        cli(env, "work-pool", "create", pool, "--type", "process")
+    cli(env, "--no-prompt", "deploy", "--all", timeout=300)
     deps = {d["name"]: d for d in httpx.post(env["PREFECT_API_URL"] + "/deployments/filter", json={}).json()}
     assert {"smollm2-135m", "qwen3-8b", "llama-3.1-8b", "nightly"} <= set(deps)
     assert deps["nightly"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
@@ -137,7 +74,7 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
                 f"run {attempt} failed:\n{run.stdout[-3000:]}\n{(tmp_path / 'worker.log').read_text()[-6000:]}"
             )
     finally:
-        _stop(worker)
+        stop(worker)
         wlog.close()
 
     runs = [r for r in _runs(env) if r["deployment_id"] == deps["smollm2-135m"]["id"]]
@@ -170,4 +107,8 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):
     # the first run published the chosen map to the local registry, pulled it back and served it
     _, pubs = query(db, "SELECT repo_id, revision, commit_sha FROM publications")
     assert len(pubs) == 1 and pubs[0][1] == name
-    assert "pulled back and served" in (tmp_path / "worker.log").read_text()
+    wlog = (tmp_path / "worker.log").read_text()
+    assert "pulled back and served" in wlog
+    # progress: stage lines and one line per trial, in the flow run's log (the worker prints it)
+    assert "[1/6] model: HuggingFaceTB/SmolLM2-135M-Instruct" in wlog and "[5/6] select:" in wlog
+    assert len(re.findall(r"trial [12]/2 \(#[01]\): split (?:18|20), lambda \S+, tail (?:32|64), ", wlog)) == 2

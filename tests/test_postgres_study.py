@@ -1,5 +1,7 @@
 """Several machines, one study: PostgreSQL on a private loopback port (initdb + pg_ctl) holds one Optuna
-study; two worker processes run trials against it. Every trial is told once and recorded once.
+study; two real `ridgefill tune` runs (the tune flow, each in its own process with its own Prefect home,
+work folder and DuckDB file, on a tiny model) share it. Every trial is told once, each run prints a line per
+trial it ran, and after the final sync both DuckDB files hold the whole study.
 
 Skips only when the PostgreSQL server binaries are absent and cannot be installed with apt-get.
 """
@@ -7,24 +9,43 @@ Skips only when the PostgreSQL server binaries are absent and cannot be installe
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
 from optuna.trial import TrialState
 
 from ridgefill import tuning
-from ridgefill.results import Recorder, query
+from ridgefill.results import query
 from ridgefill.study import load_study
 
-STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
-OVERRIDES = {"budget": {"trials": 8}, "search": {"lam": [1e-3, 1e-1]}}
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 4
+TINY_STUDY = {
+    "name": "tiny-shared",
+    "model": {"repo": "test/tiny-qwen3", "local": None},
+    "calibration": {"tokens": 2048, "window": 128, "heldout": 1},
+    "search": {"splits": [2, 3], "lam": [1e-3, 1e-1], "tails": [16, 32], "share": [0.0, 0.1]},
+    "objectives": {
+        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1},
+        "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
+    },
+    "constraints": {"max_ruler_drop": 10},
+    "budget": {"trials": BUDGET},
+    "hardware": {"threads": 1},
+}
+TRIAL_LINE = re.compile(
+    r"trial (\d+)/(\d+) \(#(\d+)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+) \| "
+    r"speed-up ([\d.]+)x \| dNLL (\S+) \| feasible (yes|no) \| ([\d.]+) s"
+)
 pytestmark = pytest.mark.slow
 
 
@@ -75,64 +96,84 @@ def postgres_url():
         shutil.rmtree(base, ignore_errors=True)
 
 
-WORKER = textwrap.dedent(
-    """
-    import sys, time
-    sys.path.insert(0, {tests!r})
-    from test_tuning import fake_outcome
-    from ridgefill import tuning
-    from ridgefill.results import Recorder
-    from ridgefill.study import load_study
-    cfg = load_study({study!r}, {overrides!r})
-    DROP = cfg.constraints.max_ruler_drop
-    s = tuning.open_study(cfg, tuning.storage({url!r}, {root!r}, cfg.name), seed_offset={seed})
-    tuning.enqueue_first(s, cfg)
-
-    def evaluate(batch):
-        deadline = time.monotonic() + 120  # both workers hold a trial before either finishes its first
-        while len({{t.user_attrs.get("owner") for t in s.get_trials(deepcopy=False)}} - {{None}}) < 2:
-            assert time.monotonic() < deadline, "the other worker never asked for a trial"
-            time.sleep(0.1)
-        return [fake_outcome(p) for _, p in batch]
-
-    with Recorder({db!r}) as rec:  # each machine keeps its own results file
-        ran = tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
-    print("RAN", ran)
-    """
-)
+@pytest.fixture
+def tiny_study(tmp_path, tiny_models, tokenizer) -> Path:
+    model_dir = tmp_path / "tiny-qwen3"
+    tiny_models["qwen3"].save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    spec = TINY_STUDY | {"model": TINY_STUDY["model"] | {"local": str(model_dir)}}
+    path = tmp_path / "tiny-shared.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
 
 
-def test_two_workers_share_one_postgres_study(postgres_url, tmp_path):
-    tests = str(Path(__file__).parent)
+def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_path):
+    """The flow's shared-storage branch end to end: per-process seeds, trials told once, the final sync."""
     procs = []
     for i in range(2):
-        code = WORKER.format(
-            tests=tests, study=str(STUDY), overrides=OVERRIDES, url=postgres_url, root=str(tmp_path), seed=i,
-            db=str(tmp_path / f"worker{i}.duckdb"),
-        )  # fmt: skip
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    ran = [int(out.split("RAN")[1]) for out, _ in outs]
-    assert all(r > 0 for r in ran)
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+            "RIDGEFILL_OPTUNA_STORAGE": postgres_url,  # as on the workers of README's several-machines setup
+            "PREFECT_HOME": str(tmp_path / f"prefect{i}"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        cmd = [
+            sys.executable, "-m", "ridgefill.cli", "tune", "--study", str(tiny_study),
+            "--db", str(tmp_path / f"worker{i}.duckdb"), "--work", str(tmp_path / f"work{i}"), "--no-publish",
+            "--evaluator", "tests.flow_hooks:after_two_workers",  # both take part, whichever starts first
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:  # each run's own group: its temporary Prefect server too
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-6000:]
 
-    cfg = load_study(STUDY, OVERRIDES)
-    DROP = cfg.constraints.max_ruler_drop
-    study = tuning.open_study(cfg, tuning.storage(postgres_url, tmp_path, cfg.name))
+    cfg = load_study(tiny_study)
+    study = optuna_study(postgres_url)
     trials = study.get_trials()
-    numbers = [t.number for t in trials]
-    assert numbers == list(range(len(trials))) and len(trials) == sum(ran)
+    assert [t.number for t in trials] == list(range(len(trials))) and len(trials) >= BUDGET
     assert all(t.state == TrialState.COMPLETE for t in trials)
-    assert len(trials) >= cfg.budget.trials
-    assert len({t.user_attrs["owner"] for t in trials}) == 2
+    owners = {t.user_attrs["owner"] for t in trials}
+    assert len(owners) == 2  # both runs took trials
+    lams = [t.params["lam"] for t in trials if "fixed_params" not in t.system_attrs]  # drawn, not enqueued
+    assert lams and len(set(lams)) == len(lams)  # per-process seeds: the samplers never draw the same point
 
-    per_worker = [query(tmp_path / f"worker{i}.duckdb", "SELECT trial FROM trials")[1] for i in range(2)]
-    assert sorted(n for rows in per_worker for (n,) in rows) == numbers  # each trial recorded by one worker
-    with Recorder(tmp_path / "all.duckdb") as rec:
-        tuning.sync(rec, study, DROP)
-        tuning.sync(rec, study, DROP)
-    _, rows = query(tmp_path / "all.duckdb", "SELECT count(*), count(DISTINCT trial) FROM trials")
-    assert rows == [(len(trials), len(trials))]
+    for p, out in zip(procs, outs, strict=True):
+        # stage lines, Prefect's task names, one line per trial this run finished, then the table and paths
+        assert all(f"[{k}/6]" in out for k in range(1, 7)), out[-4000:]
+        assert "Task run 'run_trial-" in out and "Task run 'capture-" in out
+        mine = sorted(t.number for t in trials if t.user_attrs["owner"].endswith(f":{p.pid}"))
+        lines = TRIAL_LINE.findall(out)
+        assert sorted(int(m[2]) for m in lines) == mine and mine
+        for m in lines:
+            t = trials[int(m[2])]
+            assert int(m[1]) == BUDGET and (int(m[3]), int(m[5])) == (t.params["split"], t.params["tail"])
+            assert float(m[4]) == pytest.approx(t.params["lam"], rel=1e-2)
+            assert float(m[7]) == pytest.approx(t.values[0], abs=0.01) and m[10] == "yes"
+            assert float(m[8]) == pytest.approx(t.values[1], abs=1e-3)
+        assert "| trial | split | lambda |" in out and "synced the whole shared study" in out
+
+    expected = sorted((t.number, t.params["split"], round(t.values[0], 6), round(t.values[1], 6)) for t in trials)
+    chosen = tuning.choose(trials, cfg.constraints.max_ruler_drop).number
+    for i in range(2):  # after the final sync each run's DuckDB file holds the whole study, whoever ran a trial
+        db = tmp_path / f"worker{i}.duckdb"
+        _, rows = query(db, "SELECT trial, split, round(ruler_delta, 6), round(speedup, 6) FROM trials ORDER BY 1")
+        assert rows == expected
+        _, ttft = query(db, "SELECT count(DISTINCT trial) FROM metrics WHERE kind = 'ttft' AND trial >= 0")
+        assert ttft == [(len(trials),)]  # metric rows of the other run's trials too
+        assert query(db, "SELECT trial FROM maps WHERE chosen")[1] == [(chosen,)]
+
+
+def optuna_study(url: str):
+    import optuna
+
+    name = optuna.study.get_all_study_names(storage=tuning.storage(url, None, ""))
+    assert len(name) == 1  # one run name: both runs saw the same weights
+    return optuna.load_study(study_name=name[0], storage=tuning.storage(url, None, ""))

@@ -1,0 +1,35 @@
+"""Trial evaluators for the tune flow's test hook (`evaluator="tests.flow_hooks:<name>"`, flows/tune.py).
+
+They have `tasks.run_trial`'s signature and run as the flow's `run_trial` task.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import optuna
+
+import tasks
+from ridgefill import tuning
+
+
+@functools.cache
+def _storage(url: str) -> optuna.storages.BaseStorage:
+    return tuning.storage(url, None, "")
+
+
+def after_two_workers(number: int, params: dict, ctx: dict, exact: dict, cfg) -> tuning.Outcome:
+    """Wait until two workers hold a trial of the shared study, then run the real trial (fit, RULER, TTFT):
+    both workers take part whichever starts first."""
+    store = _storage(os.environ["RIDGEFILL_OPTUNA_STORAGE"])
+    deadline = time.monotonic() + 420
+    while True:
+        trials = optuna.load_study(study_name=cfg.name, storage=store).get_trials(deepcopy=False)
+        if len({t.user_attrs.get("owner") for t in trials} - {None}) >= 2:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other worker never asked for a trial")
+        time.sleep(0.5)
+    return tasks.run_trial.fn(number, params, ctx, exact, cfg)
