@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from huggingface_hub.errors import HfHubHTTPError
@@ -34,9 +34,8 @@ def _backend(kind: str, registry: Path | None, endpoint: str | None, private: bo
     return default_backend(kind, registry)
 
 
-def _fail(e: Exception) -> None:
-    typer.echo(f"error: {e}", err=True)
-    raise typer.Exit(1)
+def _fail(e: Exception) -> NoReturn:
+    raise e  # `ridgefill` prints it as one line with exit status 2 (with `-v`, the traceback too)
 
 
 def publish_cmd(

@@ -26,11 +26,12 @@ from ridgefill.inputs import InputError, check_sources, check_splits, model_conf
 
 VERBOSE = ("-v", "--verbose")
 FIXES = {  # for errors whose message names the problem but not always what to do
-    "MapError": "re-fit the folder (`ridgefill fit`) or pull it again (`ridgefill pull`)",
+    "MapError": "re-fit the folder with `ridgefill fit`, or pull it again with `ridgefill pull`",
     "RegistryError": "check the repo id, the study tag and the backend (`--backend local|hub`)",
     "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or use a folder already on disk",
     "ConnectionError": "check the network and HF_ENDPOINT, or use a folder already on disk",
     "FileNotFoundError": "check the path",
+    "PermissionError": "check the permissions of the path",
 }
 
 
@@ -42,14 +43,14 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from ridgefill.maps import MapError
     from ridgefill.study import StudyError
 
-    return InputError, StudyError, MapError, RegistryError, HfHubHTTPError, FileNotFoundError, ConnectionError
+    return InputError, StudyError, MapError, RegistryError, HfHubHTTPError, OSError  # OSError: files, network
 
 
 def one_line(e: BaseException) -> str:
     """`error: <message>` on one line, with the fix for error types whose messages do not carry one."""
     msg = " ".join(str(e).split()) or type(e).__name__
     fix = next((FIXES[c.__name__] for c in type(e).__mro__ if c.__name__ in FIXES), None)
-    return f"error: {msg}" + (f" ({fix})" if fix and not isinstance(e, InputError) else "")
+    return f"error: {msg}" + (f"; fix: {fix}" if fix and not isinstance(e, InputError) else "")
 
 
 class PlainErrors(TyperGroup):
