@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,43 @@ def test_choice_tie_break_and_the_limit_itself():
     assert [t.number for t in tuning.front(same, drop)] == [1, 4, 7]  # equal trials do not dominate each other
     edge = [_trial(0, -10.0, 1.5), _trial(1, -10.0 - 1e-9, 1.6)]
     assert tuning.choose(edge, drop).number == 0 and [t.number for t in tuning.front(edge, drop)] == [0]
+
+
+def test_one_progress_line_per_trial(tmp_path):
+    """What the tune flow logs for each finished trial: n of budget, the knobs, both objectives, dNLL,
+    feasibility and seconds; a failed trial says so with its error."""
+    cfg, study = _study(tmp_path, trials=3)
+    lines = []
+
+    def evaluate(batch):
+        return [RuntimeError("out of memory") if n == 1 else fake_outcome(p) for n, p in batch]
+
+    def on_trial(t):
+        lines.append(tuning.progress_line(t, tuning.completed(study), cfg.budget.trials, DROP))
+
+    tuning.optimize(study, cfg, evaluate, on_trial=on_trial)
+    assert len(lines) == 4  # three complete and one failed
+    line = re.compile(
+        r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+) \| "
+        r"speed-up ([\d.]+)x \| dNLL - \| feasible (yes|no) \| [\d.]+ s$"
+    )
+    done = [line.fullmatch(x) for x in lines if "FAILED" not in x]
+    assert all(done) and [(m[1], m[2]) for m in done] == [("1", "0"), ("2", "2"), ("3", "3")]
+    for m in done:
+        t = study.trials[int(m[2])]
+        assert (int(m[3]), int(m[5])) == (t.params["split"], t.params["tail"])
+        assert float(m[4]) == pytest.approx(t.params["lam"], rel=1e-2)
+        assert float(m[7]) == pytest.approx(t.values[0], abs=0.006)
+        assert float(m[8]) == pytest.approx(t.values[1], abs=1e-3) and m[9] == ("yes" if t.values[0] >= -DROP else "no")
+    assert re.fullmatch(r"trial #1 FAILED \(1/3 complete\): split \d+, .* \| RuntimeError: out of memory", lines[1])
+
+
+def test_settle_waits_for_trials_other_workers_still_run(tmp_path):
+    cfg, study = _study(tmp_path, trials=2)
+    running = study.ask()  # another worker's trial
+    assert tuning.settle(study, timeout=0.3, poll=0.1) == 1  # bounded: it gives up and says how many run
+    threading.Timer(0.5, lambda: study.tell(running, [-1.0, 1.5])).start()
+    assert tuning.settle(study, timeout=30, poll=0.1) == 0
 
 
 def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
