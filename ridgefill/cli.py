@@ -76,17 +76,32 @@ Model = Annotated[str, typer.Option(help="model directory or hub id; 'default' =
 Source = Annotated[list[str], typer.Option(help="calibration text: 'pydoc', files/folders, or hf:name:split[:col]")]
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (as logging's last-resort handler does)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+_HANDLER = _Stderr()
+_HANDLER.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+
+
 @app.callback()
 def _main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs, and tracebacks of errors")] = False,
 ) -> None:
-    # the package's own loggers only: Prefect keeps its console format (task and flow run names)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    # the package's own loggers only (not the root): Prefect keeps its console format with task run names
     for name in ("ridgefill", "registry"):
         log = logging.getLogger(name)
-        log.handlers = [handler]
-        log.setLevel(logging.INFO if verbose else logging.WARNING)
+        if _HANDLER not in log.handlers:
+            log.addHandler(_HANDLER)
+        log.setLevel(logging.INFO if verbose else logging.NOTSET)  # NOTSET: the root's level (WARNING)
 
 
 def _source(source: list[str]) -> str | list[str]:

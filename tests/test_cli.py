@@ -197,9 +197,14 @@ def test_bad_splits_and_missing_files_stop_before_the_model_loads(built, model_d
     _one_line_error(runner.invoke(app, ["generate", "hi", "--maps", str(built["root"])]), "not a map folder")
 
 
-def test_pull_from_an_empty_registry_is_one_line(tmp_path):
+def test_pull_from_an_empty_registry_or_an_unreachable_hub_is_one_line(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
     pull = ["pull", "me/nothing", "--model", "none", "--backend", "local", "--registry", str(tmp_path)]
     _one_line_error(runner.invoke(app, pull), "me/nothing")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network, nothing cached
+    pull = ["pull", "me/nothing", "--model", "none", "--backend", "hub"]
+    _one_line_error(runner.invoke(app, pull), "me/nothing", "not cached and the Hub is unreachable")
 
 
 TINY_STUDY = {
