@@ -406,10 +406,10 @@ def test_token_never_printed_or_logged(hub, maps_dir, tmp_path, caplog, capfd):
             args = ["-v", "publish", str(maps_dir), "--repo", REPO, "--study", "s1", "--endpoint", ENDPOINT]
             ok = runner.invoke(app, [*args, "--results", str(tmp_path / "results.json")])
             assert ok.exit_code == 0, ok.output
-            assert json.loads(ok.output)["revision"] == "s1"
+            assert json.loads(ok.stdout)["revision"] == "s1"  # -v: INFO logs go to stderr
             hub.fail_tag_with = 401  # an error path prints the Hub's message, still without the token
             bad = runner.invoke(app, [*args[:-4], "--study", "s2", "--endpoint", ENDPOINT])
-            assert bad.exit_code == 1 and "error:" in bad.output
+            assert bad.exit_code == 2 and "error:" in bad.output
     finally:
         hf_logger.removeHandler(caplog.handler)
         hf_logger.setLevel(old_level)
@@ -434,7 +434,7 @@ def test_cli_local_publish_list_pull(maps_dir, model_dir, tmp_path):
     assert pulled.exit_code == 0, pulled.output
     assert pulled.output.strip().endswith(f"snapshots/{sha}")
     missing = runner.invoke(app, ["pull", "nobody/none", "--model", "none", *reg])
-    assert missing.exit_code == 1 and "not in the local registry" in missing.output
+    assert missing.exit_code == 2 and "not in the local registry" in missing.output
 
 
 def test_cli_maps_demo_publishes_pulls_and_serves(maps_dir, model_dir, tmp_path):
