@@ -27,7 +27,7 @@ from ridgefill.inputs import InputError, check_sources, check_splits, model_conf
 VERBOSE = ("-v", "--verbose")
 FIXES = {  # for errors whose message names the problem but not always what to do
     "MapError": "re-fit the folder with `ridgefill fit`, or pull it again with `ridgefill pull`",
-    "RegistryError": "check the repo id, the study tag and the backend (`--backend local|hub`)",
+    "RegistryError": "check the repo id, the revision and the backend (`ridgefill maps list` shows what is published)",
     "OfflineModeIsEnabled": "unset HF_HUB_OFFLINE, or use a folder already on disk",
     "ConnectionError": "check the network and HF_ENDPOINT, or use a folder already on disk",
     "FileNotFoundError": "check the path",

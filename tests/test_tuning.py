@@ -89,8 +89,11 @@ def _trial(number: int, delta: float | None, speedup: float | None, state=TrialS
     from optuna.trial import create_trial
 
     values = None if state != TrialState.COMPLETE else [delta, speedup]
-    t = create_trial(state=state, values=values, user_attrs={"params": {"split": 10 + number, "lam": 1e-2,
-                                                                        "tail": 64, "share": 0.0, "sink": 4}})
+    t = create_trial(
+        state=state,
+        values=values,
+        user_attrs={"params": {"split": 10 + number, "lam": 1e-2, "tail": 64, "share": 0.0, "sink": 4}},
+    )
     t.number = number
     return t
 
