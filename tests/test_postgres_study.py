@@ -108,7 +108,8 @@ def tiny_study(tmp_path, tiny_models, tokenizer) -> Path:
 
 
 def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_path):
-    """The flow's shared-storage branch end to end: per-process seeds, trials told once, the final sync."""
+    """The flow's shared-storage branch end to end: both runs take trials, each trial is told once and drawn
+    once, each run logs its own trials, and the final sync leaves the whole study in both files."""
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
@@ -143,7 +144,7 @@ def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_pa
     owners = {t.user_attrs["owner"] for t in trials}
     assert len(owners) == 2  # both runs took trials
     lams = [t.params["lam"] for t in trials if "fixed_params" not in t.system_attrs]  # drawn, not enqueued
-    assert lams and len(set(lams)) == len(lams)  # per-process seeds: the samplers never draw the same point
+    assert lams and len(set(lams)) == len(lams)  # no point drawn twice (the workers' samplers are seeded apart)
 
     for p, out in zip(procs, outs, strict=True):
         # stage lines, Prefect's task names, one line per trial this run finished, then the table and paths
