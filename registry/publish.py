@@ -107,16 +107,9 @@ def _metric_rows(con, study: str, trial: int) -> dict:
     return out
 
 
-def _tables(con) -> set[str]:
-    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-
-
 def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict, dict]:
     """(map folder, results, row) of a study's best map: its chosen row of `maps` (or the row of `map_path`),
     with its trial's dNLL and its rows of `metrics`."""
-    tables = _tables(con)
-    if "maps" not in tables:
-        raise RegistryError("the results file has no maps table (is it a RidgeFill results file?)")
     sql = "SELECT m.*, t.dnll AS dnll_mean FROM maps m LEFT JOIN trials t USING (study, trial) WHERE m.study = ?"
     cur = con.execute(sql + (" AND m.path = ?" if map_path else " AND m.chosen"), [study, *filter(None, [map_path])])
     names, rows = [d[0] for d in cur.description], cur.fetchall()
@@ -126,7 +119,7 @@ def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict,
         raise RegistryError(f"study {study!r} has {len(rows)} best-map rows; expected one")
     row = dict(zip(names, rows[0], strict=True))
     results = results_of(row)
-    if "metrics" in tables and row.get("trial") is not None:
+    if row.get("trial") is not None:
         for group, values in _metric_rows(con, study, row["trial"]).items():
             results[group] = {**values, **results.get(group, {})}
     return Path(map_path or row["path"]), {g: v for g, v in results.items() if v}, row
@@ -138,13 +131,6 @@ def _connect(db_path: Path):
     from ridgefill.results import connect
 
     return connect(db_path)
-
-
-def best_map(db_path: Path, study_name: str, map_path: str | None = None) -> tuple[Path, dict]:
-    """(map folder, results) of a study's best map."""
-    with _connect(db_path) as con:
-        folder, results, _ = study_map(con, study_name, map_path)
-    return folder, results
 
 
 def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]) -> None:
@@ -169,11 +155,7 @@ def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]
 def base_of(db_path: Path, study: str, row: Mapping) -> dict:
     """Card defaults from the results file: the base model (a Hub id) and its revision from `studies`."""
     with _connect(db_path) as con:
-        found = (
-            con.execute("SELECT model, revision FROM studies WHERE study = ?", [study]).fetchall()
-            if ("studies" in _tables(con))
-            else []
-        )
+        found = con.execute("SELECT model, revision FROM studies WHERE study = ?", [study]).fetchall()
     model, revision = found[0] if found else (row.get("model"), None)
     return {"base_model": model, "base_revision": revision} if model and "/" in str(model) else {}
 

@@ -232,6 +232,7 @@ def test_study_storage_choices(tmp_path):
     assert isinstance(tuning.storage(f"sqlite:///{tmp_path}/o.db", tmp_path, "x"), RDBStorage)
 
 
+@pytest.mark.usefixtures("hub_online")  # its Hub is a loopback server; every other test runs HF_HUB_OFFLINE=1
 def test_retune_sees_a_new_hub_revision_offline(tmp_path):
     """The real huggingface_hub client against a loopback stand-in for the Hub's model_info API."""
     import json
