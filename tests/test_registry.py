@@ -473,10 +473,11 @@ def test_publish_studies_records_each_publication_once_with_its_manifest_digest(
     # a manifest other than the published one is refused, though it verifies on its own
     with pytest.raises(MapError, match="the publication recorded"):
         pull(REPO, "s2", backend=backend, manifest_sha256=digests[0])
-    # a results file with no `maps` table (e.g. only a hand-made best_maps view) is not read
+    # a hand-made `best_maps` table is not read: the pipeline's `maps` table is the one source
     with duckdb.connect(str(tmp_path / "other.duckdb")) as con:
         con.execute("CREATE TABLE best_maps (study VARCHAR, map_path VARCHAR)")
-    with pytest.raises(RegistryError, match="no maps table"):
+        con.execute("INSERT INTO best_maps VALUES ('s1', ?)", [str(maps_dir)])
+    with pytest.raises(RegistryError, match="no best map recorded"):
         publish_best(tmp_path / "other.duckdb", "s1", REPO, backend=backend)
 
 
