@@ -274,3 +274,30 @@ def test_no_local_path_in_the_manifest_or_card(tiny_models, tokenizer, tmp_path)
     with pytest.raises(ValueError, match=r"fit\.corpus holds a local absolute path"):
         write_maps(tmp_path / "leak", {}, fingerprint(model, tok, 2), 2, kind="identity", lam=None,
                    fit={"corpus": str(tmp_path / "cal.txt")})  # fmt: skip
+
+
+def test_bulk_rows_cache_what_the_map_predicts(fitted, tokenizer):
+    """A late layer's bulk K/V rows are its own cache writer applied to h_S W + b (h_S: the exact split stream)
+    and its protected rows are exact: a wrong sign, transpose or layer index in the prediction fails here."""
+    from ridgefill.adapters import adapter_for
+    from ridgefill.capture import layer_inputs
+
+    model, path = fitted
+    ms = load_maps(path, model, tokenizer)
+    ids = torch.tensor([tokenizer(prose_text()[100000:102000])["input_ids"][:120]])
+    out = prefill(model, ids, FillPlan("ridge", maps=ms, sink=4, tail=8))
+    bulk, prot = (~out.protected).nonzero().squeeze(-1), out.protected.nonzero().squeeze(-1)
+    assert bulk.numel() == 120 - 4 - 8
+    ad, pos = adapter_for(model), torch.arange(ids.shape[1])
+    h = layer_inputs(model, ids, {2, 3, 4, 5})
+    cos, sin = ad.rotary(h[2][None], pos)
+    for idx in (3, 4, 5):
+        weight, bias = ms.layer(idx)
+        want_k, want_v = ad.write_kv(ad.layers[idx], (h[2] @ weight + bias)[None], cos, sin)
+        exact_k, exact_v = ad.write_kv(ad.layers[idx], h[idx][None], cos, sin)
+        got = out.cache.layers[idx]
+        torch.testing.assert_close(got.keys[:, :, bulk], want_k[:, :, bulk], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values[:, :, bulk], want_v[:, :, bulk], rtol=1e-4, atol=1e-4)
+        # protected rows attend over the filled cache from layer 3 on, so only layer 3's are exact
+        if idx == 3:
+            torch.testing.assert_close(got.keys[:, :, prot], exact_k[:, :, prot], rtol=1e-4, atol=1e-4)
