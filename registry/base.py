@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ridgefill.maps import DOCS, MANIFEST, read_manifest, verify_files
+from ridgefill.maps import DIGEST, DOCS, MANIFEST, read_manifest, verify_files
 
 CARD = "README.md"
 IGNORED = {".gitattributes", ".gitignore"}  # added or kept by the Hub itself; never part of a map
@@ -26,6 +26,7 @@ class Publication:
     revision: str  # the study's tag (or the branch when no tag was asked for)
     commit_sha: str
     url: str
+    manifest_sha256: str = ""  # the published manifest's own digest: `pull` checks it when given
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,13 +58,14 @@ class Backend(Protocol):
     def owner(self) -> str: ...
 
 
-def map_files(folder: Path) -> list[str]:
-    """The files to publish from a verified map folder: the manifest and every file it hashes (not its docs)."""
+def map_files(folder: Path) -> tuple[list[str], str]:
+    """(files to publish, manifest digest) of a verified map folder: the manifest and every file it hashes
+    (not its docs), and the digest the publication records."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
     names = sorted(n for n in manifest["files"] if n not in DOCS)
-    return [MANIFEST, *names]
+    return [MANIFEST, *names], manifest[DIGEST]
 
 
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -43,7 +43,7 @@ def publish_cmd(
     folder: Annotated[Path | None, typer.Argument(help="map folder (or use --db and --study)")] = None,
     study: Annotated[str | None, typer.Option(help="study name; its tag on the repo")] = None,
     results: Annotated[Path | None, typer.Option(help='JSON {"ruler":..,"ttft":..,"dnll":..} for the card')] = None,
-    db: Annotated[Path | None, typer.Option(help="DuckDB file: publish the study's row of best_maps")] = None,
+    db: Annotated[Path | None, typer.Option(help="results file: publish the study's chosen map")] = None,
     base_model: Annotated[str | None, typer.Option(help="Hub id of the base model (default: from manifest)")] = None,
     base_revision: Annotated[str | None, typer.Option(help="revision of the base model")] = None,
     license: Annotated[str | None, typer.Option(help="card license (default: the maps' credit)")] = None,
@@ -76,17 +76,21 @@ def pull_cmd(
     name: Annotated[str, typer.Argument(help="repo id (owner/name) or base model name ('default' = SmolLM2)")],
     revision: Annotated[str | None, typer.Option(help="study tag, branch or commit (default: main)")] = None,
     model: Annotated[str, typer.Option(help="model to check the fingerprint against; 'none' skips it")] = "default",
+    manifest_sha256: Annotated[
+        str | None, typer.Option(help="the manifest digest a publication recorded; any other manifest is refused")
+    ] = None,
     backend: BackendOpt = "auto",
     registry: RegistryOpt = None,
     endpoint: EndpointOpt = None,
 ) -> None:
-    """Pull a map folder, verify every file's sha256 and the model fingerprint, and print its path."""
+    """Pull a map folder, verify its manifest, every file's sha256 and the model fingerprint; print its path."""
     from registry.pull import pull
     from ridgefill import steps
 
     lm, tok = (None, None) if model == "none" else steps.load_model(model)
     try:
-        path = pull(name, revision, lm, tok, backend=_backend(backend, registry, endpoint))
+        target = _backend(backend, registry, endpoint)
+        path = pull(name, revision, lm, tok, backend=target, manifest_sha256=manifest_sha256)
     except (RegistryError, MapError, HfHubHTTPError, OSError) as e:
         _fail(e)
     typer.echo(str(path))

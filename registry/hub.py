@@ -59,9 +59,9 @@ class HubBackend:
         after a crash), one that holds other maps is refused before anything is committed."""
         check_repo_id(repo_id)
         folder = Path(folder)
-        names = map_files(folder)
+        names, digest = map_files(folder)
         url = self._api.create_repo(repo_id, repo_type="model", private=self.private, exist_ok=True)
-        if tag and (done := self._tagged(repo_id, tag, folder)):
+        if tag and (done := self._tagged(repo_id, tag, folder, digest)):
             return done
         log.info("publishing %s to %s", folder, url)
         present = self._files(repo_id)
@@ -76,9 +76,9 @@ class HubBackend:
                 if e.response is not None and e.response.status_code == 409:
                     raise RegistryError(f"{repo_id}: tag {tag!r} already exists; a study tag never moves") from None
                 raise
-        return Publication(self.name, repo_id, tag or BRANCH, info.oid, info.commit_url)
+        return Publication(self.name, repo_id, tag or BRANCH, info.oid, info.commit_url, digest)
 
-    def _tagged(self, repo_id: str, tag: str, folder: Path) -> Publication | None:
+    def _tagged(self, repo_id: str, tag: str, folder: Path, digest: str) -> Publication | None:
         """The existing publication if `tag` holds this folder's manifest (hence its files); None if no such tag."""
         commit = next((t.target_commit for t in self._api.list_repo_refs(repo_id).tags if t.name == tag), None)
         if commit is None:
@@ -87,7 +87,7 @@ class HubBackend:
         if not info or info[0].blob_id != git_blob_id((folder / MANIFEST).read_bytes()):
             raise RegistryError(f"{repo_id}: tag {tag!r} already exists with other maps; a study tag never moves")
         log.info("%s@%s already holds these maps", repo_id, tag)
-        return Publication(self.name, repo_id, tag, commit, f"{self.endpoint}/{repo_id}/commit/{commit}")
+        return Publication(self.name, repo_id, tag, commit, f"{self.endpoint}/{repo_id}/commit/{commit}", digest)
 
     def _files(self, repo_id: str) -> set[str]:
         return set(self._api.list_repo_files(repo_id, revision=BRANCH)) - IGNORED

@@ -61,7 +61,8 @@ class LocalBackend:
         store, folder = self.storage(repo_id), Path(folder)
         if tag and tag == BRANCH:
             raise RegistryError(f"{tag!r} is the branch name, not a study tag")
-        sources = {name: folder / name for name in map_files(folder)}
+        names, digest = map_files(folder)
+        sources = {name: folder / name for name in names}
         (store / "blobs").mkdir(parents=True, exist_ok=True)
         (store / "refs").mkdir(exist_ok=True)
         digests = {}
@@ -77,7 +78,8 @@ class LocalBackend:
         (store / "refs" / BRANCH).write_text(commit)  # no newline: the cache reads refs verbatim
         if tag:
             (store / "refs" / tag).write_text(commit)
-        return Publication(self.name, repo_id, tag or BRANCH, commit, (store / "snapshots" / commit).as_uri())
+        url = (store / "snapshots" / commit).as_uri()
+        return Publication(self.name, repo_id, tag or BRANCH, commit, url, digest)
 
     @staticmethod
     def _blob(store: Path, data: bytes) -> str:

@@ -1,24 +1,17 @@
 """Publish a map folder with its card, and publish the best map of a finished study from DuckDB.
 
-`publish_best` reads the study's row from the `best_maps` table or view, publishes the map, and records
-the repo, revision (the study's tag) and commit sha in the `publications` table. The DuckDB file is opened
-read-only while the upload runs and written once, in one transaction, afterwards, so a long upload never
-holds the single-writer lock that the tuner needs.
-
-Expected `best_maps` columns (the pipeline's `ridgefill/results.py` owns the schema; aliases are accepted):
-    study (or study_name)                       the study's name
-    map_path (or maps_path, map_dir, path)      the map folder
-    ruler, ttft, dnll (JSON, STRUCT or MAP)     metric dicts for the card, and/or
-    ruler_*, ttft_*, dnll_* (numbers)           flat metric columns, grouped by prefix
-    metrics (JSON)                              {"ruler": {...}, "ttft": {...}, "dnll": {...}}
+`publish_best` reads the study's chosen row of the pipeline's `maps` table (`ridgefill/results.py` owns that
+schema), with its trial's dNLL and its rows of `metrics`, publishes the map, and records the repo, revision
+(the study's tag), commit sha and manifest digest in the `publications` table. The results file is opened
+for each read and written once, in one transaction, after every upload, so a long upload never holds the
+single-writer lock that the tuner needs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,15 +24,16 @@ from registry.local import LocalBackend
 from ridgefill.maps import read_manifest
 
 log = logging.getLogger(__name__)
-STUDY_COLUMNS = ("study", "study_name")
-PATH_COLUMNS = ("map_path", "maps_path", "map_dir", "path")
-ALIASES = {"speedup": ("ttft", "overall")}  # the pipeline's maps.speedup
 PUBLICATIONS_DDL = """
 CREATE TABLE IF NOT EXISTS publications (
     study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
-    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, PRIMARY KEY (repo_id, revision)
-)"""
-PUBLICATION_COLS = ("study", "repo_id", "revision", "commit_sha", "backend", "url", "map_path", "published_at")
+    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, manifest_sha256 VARCHAR, PRIMARY KEY (repo_id, revision)
+);
+ALTER TABLE publications ADD COLUMN IF NOT EXISTS manifest_sha256 VARCHAR;
+"""
+PUBLICATION_COLS = (
+    "study", "repo_id", "revision", "commit_sha", "backend", "url", "map_path", "published_at", "manifest_sha256",
+)  # fmt: skip
 
 
 def default_backend(kind: str | None = None, root: Path | None = None) -> Backend:
@@ -87,39 +81,11 @@ def publish(
     return pub
 
 
-def _pick(columns: Iterable[str], names: tuple[str, ...], what: str) -> str:
-    found = next((c for c in names if c in columns), None)
-    if found is None:
-        raise RegistryError(f"best_maps has no {what} column (one of {', '.join(names)})")
-    return found
-
-
-def _as_dict(value) -> dict:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        return json.loads(value)
-    return dict(value)
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def results_of(row: Mapping) -> dict:
-    """The card's results dict from a row: JSON/STRUCT group columns and prefixed number columns."""
-    results: dict = {g: {} for g in GROUPS}
-    results.update({g: v for g, v in _as_dict(row.get("metrics")).items() if g in GROUPS})
-    for col, value in row.items():
-        if col in GROUPS and _number(value):
-            results[col]["mean"] = value
-        elif col in GROUPS and value is not None:
-            results[col] = {**results[col], **_as_dict(value)}
-        elif col in ALIASES and _number(value):
-            results[ALIASES[col][0]][ALIASES[col][1]] = value
-        elif (group := col.split("_", 1)[0]) in GROUPS and "_" in col and _number(value):
-            results[group][col.split("_", 1)[1]] = value
-    return {g: v for g, v in results.items() if v}
+    """The card's results from a `maps` row: RULER delta, TTFT speed-up and the trial's mean dNLL."""
+    found = {"ruler": ("delta", row.get("ruler_delta")), "ttft": ("overall", row.get("speedup")),
+             "dnll": ("mean", row.get("dnll_mean"))}  # fmt: skip
+    return {g: {name: value} for g, (name, value) in found.items() if value is not None}
 
 
 def _metric_rows(con, study: str, trial: int) -> dict:
@@ -141,31 +107,11 @@ def _metric_rows(con, study: str, trial: int) -> dict:
     return out
 
 
-def _tables(con) -> set[str]:
-    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-
-
 def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict, dict]:
-    """(map folder, results, row) of a study's best map.
-
-    Reads `best_maps` when it exists (one row per study); otherwise the pipeline's schema
-    (`ridgefill/results.py`): the study's chosen row of `maps` (or the row of `map_path`), its trial's dNLL,
-    and its rows of `metrics`.
-    """
-    tables = _tables(con)
-    if "best_maps" in tables:
-        columns = [r[0] for r in con.execute("DESCRIBE best_maps").fetchall()]
-        study_col = _pick(columns, STUDY_COLUMNS, "study")
-        path_col = _pick(columns, PATH_COLUMNS, "map folder")
-        cur = con.execute(f'SELECT * FROM best_maps WHERE "{study_col}" = ?', [study])
-    elif "maps" in tables:
-        path_col = "path"
-        sql = "SELECT m.*, t.dnll AS dnll_mean FROM maps m LEFT JOIN trials t USING (study, trial) WHERE m.study = ?"
-        cur = con.execute(
-            sql + (" AND m.path = ?" if map_path else " AND m.chosen"), [study, *filter(None, [map_path])]
-        )
-    else:
-        raise RegistryError("the results file has neither a best_maps view nor a maps table")
+    """(map folder, results, row) of a study's best map: its chosen row of `maps` (or the row of `map_path`),
+    with its trial's dNLL and its rows of `metrics`."""
+    sql = "SELECT m.*, t.dnll AS dnll_mean FROM maps m LEFT JOIN trials t USING (study, trial) WHERE m.study = ?"
+    cur = con.execute(sql + (" AND m.path = ?" if map_path else " AND m.chosen"), [study, *filter(None, [map_path])])
     names, rows = [d[0] for d in cur.description], cur.fetchall()
     if not rows:
         raise RegistryError(f"study {study!r} has no best map recorded (is it finished?)")
@@ -173,10 +119,10 @@ def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict,
         raise RegistryError(f"study {study!r} has {len(rows)} best-map rows; expected one")
     row = dict(zip(names, rows[0], strict=True))
     results = results_of(row)
-    if "metrics" in tables and row.get("trial") is not None:
+    if row.get("trial") is not None:
         for group, values in _metric_rows(con, study, row["trial"]).items():
             results[group] = {**values, **results.get(group, {})}
-    return Path(map_path or row[path_col]), {g: v for g, v in results.items() if v}, row
+    return Path(map_path or row["path"]), {g: v for g, v in results.items() if v}, row
 
 
 def _connect(db_path: Path):
@@ -187,19 +133,14 @@ def _connect(db_path: Path):
     return connect(db_path)
 
 
-def best_map(db_path: Path, study_name: str, map_path: str | None = None) -> tuple[Path, dict]:
-    """(map folder, results) of a study's best map."""
-    with _connect(db_path) as con:
-        folder, results, _ = study_map(con, study_name, map_path)
-    return folder, results
-
-
 def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]) -> None:
     """Record publications in one transaction with one batched INSERT (keyed by repo and revision)."""
     from ridgefill.results import insert_rows
 
     now = datetime.now(UTC)
-    values = [(s, p.repo_id, p.revision, p.commit_sha, p.backend, p.url, str(m), now) for s, p, m in rows]
+    values = [
+        (s, p.repo_id, p.revision, p.commit_sha, p.backend, p.url, str(m), now, p.manifest_sha256) for s, p, m in rows
+    ]
     with _connect(db_path) as con:
         con.execute("BEGIN TRANSACTION")
         try:
@@ -214,11 +155,7 @@ def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]
 def base_of(db_path: Path, study: str, row: Mapping) -> dict:
     """Card defaults from the results file: the base model (a Hub id) and its revision from `studies`."""
     with _connect(db_path) as con:
-        found = (
-            con.execute("SELECT model, revision FROM studies WHERE study = ?", [study]).fetchall()
-            if ("studies" in _tables(con))
-            else []
-        )
+        found = con.execute("SELECT model, revision FROM studies WHERE study = ?", [study]).fetchall()
     model, revision = found[0] if found else (row.get("model"), None)
     return {"base_model": model, "base_revision": revision} if model and "/" in str(model) else {}
 

@@ -1,8 +1,10 @@
 """Pull a published map folder and verify it before anything uses it.
 
-Checks, in order: the manifest reads; every file it lists has its sha256; nothing unlisted sits beside them
-(README.md is a doc and never hashed, since the Hub rewrites cards); and, given the model to serve, its
-fingerprint (geometry + tokenizer) matches. A folder failing any check raises `MapError` and is not returned.
+Checks, in order: the manifest reads, its own digest matches its content and it is consistent; given the
+digest a publication recorded, the manifest is that one; every file it lists has its sha256; nothing unlisted
+sits beside them (README.md is a doc and never hashed, since the Hub rewrites cards); and, given the model to
+serve, its fingerprint (geometry + tokenizer) matches. A folder failing any check raises `MapError` and is not
+returned.
 """
 
 from __future__ import annotations
@@ -13,18 +15,24 @@ from pathlib import Path
 import httpx2
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from registry.base import IGNORED, Backend, RegistryError
+from registry.base import IGNORED, Backend, Publication, RegistryError
 from registry.card import EMBEDDED_BASE
 from ridgefill.default_model import DEFAULT_MODEL_NAME
-from ridgefill.maps import DOCS, MANIFEST, MapError, check_model, read_manifest, verify_files
+from ridgefill.maps import DIGEST, DOCS, MANIFEST, MapError, check_model, read_manifest, verify_files
 
 log = logging.getLogger(__name__)
 
 
-def verify_snapshot(path: Path, model=None, tokenizer=None) -> dict:
-    """The manifest of a pulled folder, once its files (and, given a model, its fingerprint) check out."""
+def verify_snapshot(path: Path, model=None, tokenizer=None, manifest_sha256: str | None = None) -> dict:
+    """The manifest of a pulled folder, once it is the published one (given its digest) and its files (and,
+    given a model, its fingerprint) check out."""
     path = Path(path)
     manifest = read_manifest(path)
+    if manifest_sha256 and manifest[DIGEST] != manifest_sha256:
+        raise MapError(
+            f"{path}: {MANIFEST} has {DIGEST} {manifest[DIGEST][:12]}, the publication recorded "
+            f"{manifest_sha256[:12]}; pull the published commit, or publish these maps"
+        )
     verify_files(path, manifest)
     extra = sorted({p.name for p in path.iterdir()} - set(manifest["files"]) - {MANIFEST} - set(DOCS) - IGNORED)
     if extra:
@@ -65,13 +73,23 @@ def pull(
     tokenizer=None,
     *,
     backend: Backend | None = None,
+    manifest_sha256: str | None = None,
 ) -> Path:
-    """Download (or find in the cache) a map folder and return its path only after it verifies."""
+    """Download (or find in the cache) a map folder and return its path only after it verifies; given the
+    `manifest_sha256` a publication recorded, the pulled manifest must be that one."""
     from registry.publish import default_backend
 
     backend = backend or default_backend()
     repo_id = resolve(repo_id_or_model_name, backend)
     path = backend.download(repo_id, revision)
-    verify_snapshot(path, model, tokenizer)
+    verify_snapshot(path, model, tokenizer, manifest_sha256)
     log.info("pulled %s@%s -> %s (verified)", repo_id, revision or "main", path)
     return path
+
+
+def pull_publication(pub: Publication, model=None, tokenizer=None, *, backend: Backend | None = None) -> Path:
+    """Pull exactly what a publication recorded: its commit, checked against its manifest digest."""
+    from registry.publish import default_backend
+
+    backend = backend or default_backend(pub.backend)
+    return pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend=backend, manifest_sha256=pub.manifest_sha256)

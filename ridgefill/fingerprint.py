@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,6 +33,17 @@ def tokenizer_hash(tokenizer) -> str:
 
 def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def portable_name(name: str) -> str:
+    """What a manifest may record of where a model or file came from: a repo id (`owner/name`) as it is,
+    a local path only as its last component, never a local absolute path (manifests are published)."""
+    if not name:
+        return name
+    path = Path(name).expanduser()
+    if path.is_absolute() or name.startswith((".", "~")) or path.exists():
+        return path.resolve().name
+    return name
 
 
 def anchor_names(split: int, num_layers: int) -> list[str]:
@@ -67,7 +79,8 @@ def fingerprint_from(cfg, tokenizer, params: dict[str, torch.Tensor], split: int
         "vocab_size": cfg.vocab_size,
         "tokenizer_sha256": tokenizer_hash(tokenizer),
         "anchors": anchors(params, split, num_layers),
-        "name_or_path": str(getattr(cfg, "name_or_path", "")),
+        "name_or_path": portable_name(str(getattr(cfg, "name_or_path", ""))),
+        "revision": getattr(cfg, "_commit_hash", None),  # the Hub commit when loaded from the Hub, else None
     }
 
 

@@ -1,11 +1,22 @@
 """The map folder: the unit the pipeline passes around, evaluates, publishes and serves.
 
     ridgefill.json            manifest: format, model fingerprint, split, defaults, fit provenance,
-                              credit, and the sha256 of every file
+                              credit, the sha256 of every file, and `manifest_sha256`: the sha256 of
+                              the manifest's own canonical JSON (sorted keys, no spaces, without that field)
     layer_019.safetensors     one file per late layer l > S: weight [d, d] and bias [d] (h_l ~ h_S W + b)
     scores.safetensors        per-token sensitivity score (rarity) used to pick the protected share
 
-Loading verifies everything before a tensor is used: every file's sha256, then the fingerprint.
+Reading verifies the manifest first: its own digest (any edit, to `kind`, `split`, `defaults` or anything
+else, is refused by name like an edited data file), then that it is consistent (`kind` matches the layer
+files it lists, `late_layers` are exactly the layers after the split, the fingerprint's weight anchors sit
+at the split). Loading then checks every file's sha256, then, given a model, the fingerprint.
+
+Format 1 folders (written before the manifest carried its digest) are refused with the fix: refit them
+(`ridgefill fit`, or `ridgefill demo` for the embedded default). Their manifests were never protected, so
+re-sealing one as it stands would bless whatever edit it may hold.
+
+Nothing in a manifest is a local path: `model.name_or_path` and `fit.source` keep only a repo id or a
+folder/file name, because manifests are published with the maps.
 """
 
 from __future__ import annotations
@@ -23,10 +34,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ridgefill import fingerprint as fp
+from ridgefill.fingerprint import portable_name
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own digest
 MANIFEST = "ridgefill.json"
 SCORES = "scores.safetensors"
+DIGEST = "manifest_sha256"
+KINDS = ("ridge", "identity")
 DOCS = ("README.md",)  # never hashed: the Hub rewrites model cards
 CREDIT = {
     "method": "RidgeFill: closed-form ridge maps fill late-layer K/V caches during prefill",
@@ -104,24 +118,92 @@ def write_maps(
     manifest = {
         "format_version": FORMAT_VERSION,
         "kind": kind,
-        "model": fingerprint,
+        "model": {**fingerprint, "name_or_path": portable_name(fingerprint.get("name_or_path", ""))},
         "split": split,
         "late_layers": sorted(weights),
         "defaults": {"sink": 4, "tail": 256, "share": 0.0, **(defaults or {})},
         "lambda": lam,
         "dtype": str(dtype).removeprefix("torch."),
-        "fit": fit,
+        "fit": _portable_fit(fit),
         "credit": CREDIT,
         "files": files,
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        write_manifest(tmp, manifest)
+    except MapError as e:  # a writer's bug, found before anything replaces `out`
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"refusing to write maps to {out}: {e}") from None
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
 
 
+def _portable_fit(fit: dict) -> dict:
+    """Fit provenance with its calibration source reduced to names (a local file becomes its file name)."""
+    if "source" not in fit:
+        return fit
+    src = fit["source"]
+    names = portable_name(src) if isinstance(src, str) else [portable_name(str(s)) for s in src]
+    return {**fit, "source": names}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, compact, UTF-8) without its own digest field."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _local_paths(value, where: str = "") -> list[str]:
+    """Fields of a manifest that hold a local absolute path (never published)."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _local_paths(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _local_paths(v, f"{where}[{i}]")]
+    if isinstance(value, str) and (value.startswith(("/", "~", "file:")) or value[1:3] in (":\\", ":/")):
+        return [where]
+    return []
+
+
+def check_manifest(manifest: dict, files: dict | None = None) -> None:
+    """Refuse a manifest that contradicts itself (raises MapError naming the field)."""
+    for key in ("kind", "model", "split", "late_layers", "defaults", "files"):
+        if key not in manifest:
+            raise MapError(f"{MANIFEST} has no {key!r}; refit the maps")
+    kind, split, late = manifest["kind"], manifest["split"], manifest["late_layers"]
+    num_layers = manifest["model"].get("num_layers")
+    if kind not in KINDS:
+        raise MapError(f"{MANIFEST}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if not isinstance(split, int) or not isinstance(num_layers, int) or not 0 < split < num_layers - 1:
+        raise MapError(f"{MANIFEST}: split {split!r} does not lie in 1..{num_layers - 2} for {num_layers!r} layers")
+    listed = sorted(n for n in (files if files is not None else manifest["files"]) if n.startswith("layer_"))
+    want = list(range(split + 1, num_layers)) if kind == "ridge" else []
+    if late != want:
+        raise MapError(f"{MANIFEST}: {kind} maps at split {split} have late_layers {want}, the manifest says {late}")
+    if listed != [layer_file(i) for i in want]:
+        found = ", ".join(listed) or "none"
+        raise MapError(f"{MANIFEST}: {kind} maps at split {split} need layer files for {want}, it lists {found}")
+    if kind == "identity" and manifest.get("lambda") is not None:
+        raise MapError(f"{MANIFEST}: identity maps have no lambda, the manifest says {manifest['lambda']!r}")
+    anchors = set(manifest["model"].get("anchors", {}))
+    if not anchors or not anchors <= set(fp.anchor_names(split, num_layers)):
+        raise MapError(f"{MANIFEST}: the fingerprint's weight anchors are not those of split {split}")
+
+
+def write_manifest(folder: Path, manifest: dict) -> dict:
+    """Check a manifest, seal it with its digest and write it into `folder` (the one manifest writer)."""
+    manifest = {k: v for k, v in manifest.items() if k != DIGEST}
+    check_manifest(manifest)
+    if leaks := _local_paths(manifest):
+        raise MapError(f"{MANIFEST}: {', '.join(leaks)} holds a local absolute path; record a repo id or name")
+    sealed = {**manifest, DIGEST: manifest_digest(manifest)}
+    (Path(folder) / MANIFEST).write_text(json.dumps(sealed, indent=2) + "\n")
+    return sealed
+
+
 def read_manifest(path: Path) -> dict:
+    """The manifest of a map folder, refused unless its digest matches its content and it is consistent."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -129,10 +211,21 @@ def read_manifest(path: Path) -> dict:
         raise MapError(f"{path} is not a map folder: {MANIFEST} is missing") from None
     except json.JSONDecodeError as e:
         raise MapError(f"{path / MANIFEST} is not valid JSON: {e}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise MapError(
-            f"{path}: format_version {manifest.get('format_version')!r}, this RidgeFill reads {FORMAT_VERSION}"
-        )
+    if not isinstance(manifest, dict):
+        raise MapError(f"{path / MANIFEST} is not a manifest (a JSON object)")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        old = isinstance(version, int) and version < FORMAT_VERSION
+        fix = "refit it with this RidgeFill (`ridgefill fit`, or `ridgefill demo`)" if old else "upgrade RidgeFill"
+        raise MapError(f"{path}: map format {version!r}, this RidgeFill reads format {FORMAT_VERSION}; {fix}")
+    if DIGEST not in manifest:
+        raise MapError(f"{path}: {MANIFEST} has no {DIGEST}; refit the maps rather than editing the manifest")
+    if manifest[DIGEST] != manifest_digest(manifest):
+        raise MapError(f"{path}: {MANIFEST} was edited ({DIGEST} differs from its content); refit or re-pull the maps")
+    try:
+        check_manifest(manifest)
+    except MapError as e:
+        raise MapError(f"{path}: {e}") from None
     return manifest
 
 

@@ -15,13 +15,14 @@ def _stream(tokenizer, text):
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def test_dnll_is_zero_for_plumb_and_positive_for_identity(tiny_models, tokenizer, essay_text):
-    model = tiny_models["llama"]
+def test_dnll_is_zero_for_plumb_and_positive_for_identity(tiny_models, smollm2, tokenizer, essay_text):
     docs = documents(_stream(tokenizer, essay_text[:60000]), 256, 3)
-    plumb = evaluate_nll(model, docs, FillPlan("plumb", split=2, tail=16), scored=64)
+    plumb = evaluate_nll(tiny_models["llama"], docs, FillPlan("plumb", split=2, tail=16), scored=64)
     assert abs(plumb["dnll"]) < 1e-4 and plumb["top1_agree"] == 1.0
-    ident = evaluate_nll(model, docs, FillPlan("identity", split=1, tail=16), scored=64)
-    assert ident["dnll"] > 1e-3 and len(ident["per_document"]) == 3
+    # the sign needs a trained model: on a random one identity fill may as well lower the NLL
+    short = documents(_stream(tokenizer, essay_text[:60000]), 160, 2)
+    ident = evaluate_nll(smollm2[0], short, FillPlan("identity", split=10, tail=16), scored=32)
+    assert ident["dnll"] > 1e-3 and len(ident["per_document"]) == 2
     lo, hi = ident["dnll_ci95"]
     assert lo <= ident["dnll"] <= hi
 

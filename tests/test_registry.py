@@ -41,7 +41,7 @@ from registry.card import EMBEDDED_BASE, make_card
 from registry.hub import git_blob_id
 from ridgefill.cli import app
 from ridgefill.fingerprint import fingerprint
-from ridgefill.maps import MapError, load_maps, read_manifest, write_maps
+from ridgefill.maps import MapError, load_maps, read_manifest, write_manifest, write_maps
 from ridgefill.runtime import FillPlan, prefill
 from tests.conftest import tiny_model
 
@@ -305,7 +305,7 @@ class FakeHub:
 
 
 @pytest.fixture
-def hub(monkeypatch):
+def hub(monkeypatch, hub_online):
     """Route every huggingface_hub request into a FakeHub, with the token in the environment only."""
     fake = FakeHub()
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -352,7 +352,7 @@ def test_hub_refuses_other_maps_under_a_study_tag_before_committing(hub, maps_di
     shutil.copytree(maps_dir, other)
     manifest = json.loads((other / "ridgefill.json").read_text())
     manifest["defaults"]["tail"] += 1
-    (other / "ridgefill.json").write_text(json.dumps(manifest))
+    write_manifest(other, manifest)  # the same layers served with another tail: other maps, sealed again
     with pytest.raises(RegistryError, match="tag 's1' already exists with other maps"):
         publish(other, REPO, RESULTS, study="s1", backend=HubBackend(endpoint=ENDPOINT))
     assert len(hub.commits) == 1  # main did not move
@@ -446,36 +446,39 @@ def test_cli_maps_demo_publishes_pulls_and_serves(maps_dir, model_dir, tmp_path)
     assert LocalBackend(tmp_path / "reg").ref("local/smollm2-ridgefill", "demo") is not None
 
 
-def test_publish_best_from_a_best_maps_view(llama, tokenizer, maps_dir, tmp_path):
-    """The documented `best_maps` schema: one row per study, JSON and prefixed metric columns."""
+def test_publish_studies_records_each_publication_once_with_its_manifest_digest(llama, tokenizer, maps_dir, tmp_path):
+    """Two finished studies in the pipeline's schema: each chosen map is published under its study's tag and
+    recorded once in `publications`, with the manifest digest that `pull` then checks."""
     import duckdb
 
+    from ridgefill.results import Recorder, query
+
     other = make_maps(llama, tokenizer, tmp_path / "other", seed=2)
-    db = tmp_path / "results.duckdb"
-    with duckdb.connect(str(db)) as con:
-        con.execute("CREATE TABLE cand (study VARCHAR, map_path VARCHAR, ruler JSON, ttft_speedup DOUBLE, dnll DOUBLE)")
-        con.execute(
-            "INSERT INTO cand VALUES (?, ?, ?, ?, ?), (?, ?, ?, ?, ?)",
-            ["s1", str(maps_dir), json.dumps({"niah_single": {"4096": {"all": 0.9}}}), 1.5, 0.02]
-            + ["s2", str(other), json.dumps({"niah_single": {"4096": {"all": 0.8}}}), 1.9, 0.05],
-        )
-        con.execute("CREATE VIEW best_maps AS SELECT * FROM cand")
-    backend = LocalBackend(tmp_path / "reg")
-    pub = publish_best(db, "s1", REPO, backend=backend)
-    assert pub.revision == "s1"
-    card = ModelCard.load(pull(REPO, "s1", llama, tokenizer, backend=backend) / "README.md").data.to_dict()
-    metrics = {m["name"]: m["value"] for r in card["model-index"][0]["results"] for m in r["metrics"]}
-    assert metrics == {"niah_single/4096/all": 0.9, "speedup": 1.5, "mean": 0.02}
+    db, backend = tmp_path / "ridgefill.duckdb", LocalBackend(tmp_path / "reg")
+    with Recorder(db) as rec:
+        for study, folder, speedup in (("s1", maps_dir, 1.5), ("s2", other, 1.9)):
+            rec.maps([(study, 0, "m/x", str(folder), "sha", 2, 1e-3, 8, 0.0, -0.01, speedup)], study, 0)
     with pytest.raises(RegistryError, match="no best map recorded"):
         publish_best(db, "s9", REPO, backend=backend)
-    publish_studies(db, ["s2"], REPO, backend=backend)
-    with duckdb.connect(str(db), read_only=True) as con:
-        query = "SELECT study, repo_id, revision, commit_sha, backend FROM publications ORDER BY study"
-        rows = con.execute(query).fetchall()
-    assert rows == [
-        ("s1", REPO, "s1", pub.commit_sha, "local"),
-        ("s2", REPO, "s2", backend.ref(REPO, "s2"), "local"),
-    ]
+    pubs = publish_studies(db, ["s1", "s2"], REPO, backend=backend)
+    recorded = query(db, "SELECT study, revision, commit_sha, manifest_sha256 FROM publications ORDER BY study")[1]
+    digests = [read_manifest(f)["manifest_sha256"] for f in (maps_dir, other)]
+    assert recorded == [("s1", "s1", pubs[0].commit_sha, digests[0]), ("s2", "s2", pubs[1].commit_sha, digests[1])]
+    assert [p.manifest_sha256 for p in pubs] == digests and digests[0] != digests[1]
+    card = ModelCard.load(registry.pull_publication(pubs[0], llama, tokenizer, backend=backend) / "README.md")
+    assert {m["name"]: m["value"] for r in card.data.to_dict()["model-index"][0]["results"] for m in r["metrics"]} == {
+        "delta": -0.01,
+        "overall": 1.5,
+    }
+    # a manifest other than the published one is refused, though it verifies on its own
+    with pytest.raises(MapError, match="the publication recorded"):
+        pull(REPO, "s2", backend=backend, manifest_sha256=digests[0])
+    # a hand-made `best_maps` table is not read: the pipeline's `maps` table is the one source
+    with duckdb.connect(str(tmp_path / "other.duckdb")) as con:
+        con.execute("CREATE TABLE best_maps (study VARCHAR, map_path VARCHAR)")
+        con.execute("INSERT INTO best_maps VALUES ('s1', ?)", [str(maps_dir)])
+    with pytest.raises(RegistryError, match="no best map recorded"):
+        publish_best(tmp_path / "other.duckdb", "s1", REPO, backend=backend)
 
 
 def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp_path, monkeypatch):

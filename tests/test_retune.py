@@ -21,11 +21,9 @@ QWEN, LLAMA = "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct"
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    """The Hub's `GET /api/models/{repo}/revision/{revision}` on loopback; `hub.shas` is what it answers."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # only this stand-in is reached
+def hub(hub_online):
+    """The Hub's `GET /api/models/{repo}/revision/{revision}` on loopback; `hub.shas` is what it answers
+    (online mode only for this stand-in: `hub_online`)."""
     shas = {QWEN: "a" * 40, LLAMA: "b" * 40}
     asked = []
 
