@@ -59,11 +59,24 @@ def register(app: typer.Typer) -> None:
         storage: Annotated[str | None, typer.Option(help="Optuna storage: .journal path or postgresql:// URL")] = None,
         overrides: Annotated[str | None, typer.Option(help='JSON merged into the study ({"budget":...})')] = None,
         publish: Annotated[bool, typer.Option(help="publish the chosen map when registry is importable")] = True,
+        plan: Annotated[str | None, typer.Option(help="print this study's cost estimate; runs nothing")] = None,
+        gpu: Annotated[str | None, typer.Option(help="GPU class for --plan: h100, h200, a100")] = None,
+        force: Annotated[bool, typer.Option(help="start even if the estimate exceeds budget.hours")] = False,
     ) -> None:
         """Run the tune flow here (Prefect's ephemeral mode unless PREFECT_API_URL is set)."""
+        if plan:
+            from ridgefill import cost
+            from ridgefill.study import load_study
+
+            root = Path(__file__).resolve().parents[1]  # as flows/tune.py's study_path, without importing Prefect
+            found = next((p for p in (Path(plan), root / plan, root / "studies" / f"{plan}.yaml") if p.is_file()), None)
+            if found is None:
+                raise typer.BadParameter(f"no study file {plan!r}", param_hint="--plan")
+            typer.echo(cost.plan(load_study(found, json.loads(overrides) if overrides else None), gpu)[1])
+            return
         flow = _flow()
         out = flow.tune(
             study, json.loads(overrides) if overrides else None, str(db) if db else None, str(work) if work else None,
-            storage, publish,
+            storage, publish, force,
         )  # fmt: skip
         typer.echo(json.dumps(out, indent=2))
