@@ -255,14 +255,14 @@ def report(study: Study, e: Estimate) -> str:
     hours = study.budget.hours
     out = [f"plan for study {study.name} ({study.model.repo}, engine {study.engine}) -- ESTIMATE", *e.lines, ""]
     for k, v in e.phases.items():
-        out.append(f"{k:>16}: {_hms(v)}")
+        out.append(f"{k:>19}: {_hms(v)}")
     parts = ", ".join(f"{k} {_hms(v)}" for k, v in e.trial.items())
-    out.append(f"{'each trial':>16}: {_hms(e.per_trial)} ({parts})")
-    out.append(f"{'trials':>16}: {e.trials} x {_hms(e.per_trial)} / {e.parallel} at a time")
-    out.append(f"{'total':>16}: {_hms(e.total)} ({e.total / 3600:.2f} h)")
+    out.append(f"{'each trial':>19}: {_hms(e.per_trial)} ({parts})")
+    out.append(f"{'trials':>19}: {e.trials} x {_hms(e.per_trial)} / {e.parallel} at a time")
+    out.append(f"{'total':>19}: {_hms(e.total)} ({e.total / 3600:.2f} h)")
     if hours is not None:
         verdict = "within" if e.total <= hours * 3600 else "OVER"
-        out.append(f"{'budget':>16}: {hours} h -- {verdict}")
+        out.append(f"{'budget':>19}: {hours} h -- {verdict}")
     return "\n".join(out)
 
 
@@ -310,6 +310,15 @@ def shape_of(study: Study, path: str | Path | None = None) -> Shape:
         f"study {study.name}: no shape for {study.model.repo} offline; add model.shape to the study "
         f"({', '.join(SHAPE_KEYS)}) or put the model's config.json in the HF cache"
     )
+
+
+def has_shape(study: Study) -> bool:
+    """Whether `shape_of` finds the study's shape without the weights."""
+    try:
+        shape_of(study)
+    except CostError:
+        return False
+    return True
 
 
 def measure_rates(model, dtype: str, engine: str, seconds: float = 3.0) -> Rates:
