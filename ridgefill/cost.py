@@ -321,14 +321,14 @@ def has_shape(study: Study) -> bool:
     return True
 
 
-def measure_rates(model, dtype: str, engine: str, seconds: float = 3.0) -> Rates:
-    """Warm-up on this machine (a few seconds): a prefill, decode steps and a float64 GEMM of the model's
-    width, timed after one untimed run each."""
+def measure_rates(model, dtype: str, engine: str, seconds: float = 3.0, n: int = 512) -> Rates:
+    """Warm-up on this machine (a few seconds): an n-token prefill (the study's window: short prompts
+    understate the rate), decode steps and a float64 GEMM of the model's width, each timed after one
+    untimed run."""
     import torch
 
     shape = Shape.of(model.config.to_dict())
     dev = next(model.parameters()).device
-    n = 256
     ids = torch.randint(100, shape.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(dev)
 
     def timed(fn, reps: int = 1) -> float:
@@ -393,7 +393,8 @@ def plan(study: Study, gpu: str | None = None, model=None, path: str | Path | No
             load = time.perf_counter() - t
         else:
             load = 0.0
-        rates = replace(measure_rates(model, study.model.dtype, study.engine), model_load=load)
+        n = min(512, study.calibration.window)
+        rates = replace(measure_rates(model, study.model.dtype, study.engine, n=n), model_load=load)
         shape = Shape.of(model.config.to_dict())
     e = estimate(study, shape, rates)
     return e, report(study, e)
