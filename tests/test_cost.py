@@ -150,3 +150,24 @@ def test_tune_plan_cli_offline():
     assert lines[-1].strip() == "budget: 2.0 h -- within"
     bad = CliRunner().invoke(app, ["tune", "--plan", "no-such-study"])
     assert bad.exit_code == 2 and "no study file 'no-such-study'" in bad.output
+
+
+@pytest.mark.slow
+def test_tune_flow_refuses_an_over_budget_study_before_any_work(tmp_path):
+    """The real flow (Prefect's ephemeral server) stops a GPU study whose estimate exceeds budget.hours
+    before resolving (downloading) the model: nothing is written to the work folder."""
+    import os
+    import subprocess
+    import sys
+
+    root = STUDIES.parent
+    over = '{"budget": {"hours": 1}}'
+    cmd = [sys.executable, str(root / "flows" / "tune.py"), str(STUDIES / "qwen3-8b.yaml"), "--no-publish",
+           "--work", str(tmp_path / "w"), "--db", str(tmp_path / "r.duckdb"), "--overrides", over]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "estimated 1.54 h exceeds budget.hours 1.0" in out and "--force" in out
+    assert "budget: 1.0 h -- OVER" in out  # the plan was logged first
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").rglob("capture.json"))
