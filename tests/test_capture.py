@@ -160,7 +160,7 @@ def test_resume_refuses_other_settings(tiny_models, wins, tmp_path):
 
 
 def test_device_and_cpu_paths_give_the_same_numbers(tiny_models, wins, tmp_path, caplog):
-    model = tiny_models["qwen2"]
+    model, wins = tiny_models["qwen2"], wins[:4]
     with caplog.at_level(logging.INFO, logger="ridgefill.capture"):
         on_device = capture(model, wins, [2, 3], tmp_path / "dev", stats_on="device", progress=False)
         on_cpu = capture(model, wins, [2, 3], tmp_path / "cpu", stats_on="cpu", progress=False)
@@ -168,9 +168,9 @@ def test_device_and_cpu_paths_give_the_same_numbers(tiny_models, wins, tmp_path,
     assert "statistics (float64) on cpu (asked)" in caplog.text
     assert_same_bits(on_device, on_cpu)
     # a capture begun on one path resumes on the other
-    part = capture(model, wins[:3], [2, 3], tmp_path / "mix", stats_on="device", progress=False)
+    part = capture(model, wins[:2], [2, 3], tmp_path / "mix", stats_on="device", progress=False)
     meta = json.loads((part.path / "capture.json").read_text())
-    meta["windows_total"] = 7
+    meta["windows_total"] = 4
     (part.path / "capture.json").write_text(json.dumps(meta))
     assert_same_bits(on_cpu, capture(model, wins, [2, 3], tmp_path / "mix", stats_on="cpu", progress=False))
 

@@ -117,7 +117,7 @@ def test_smollm2_study_arithmetic():
 
 
 def test_warm_up_measures_rates_on_a_tiny_model(tiny_models):
-    r = cost.measure_rates(tiny_models["llama"], "float32", "transformers", seconds=0.5)
+    r = cost.measure_rates(tiny_models["llama"], "float32", "transformers", seconds=0.5, n=64)
     assert r.prefill > 0 and r.f64 > 0 and r.bandwidth > 0 and r.engine_start == 0.0
     assert r.source.startswith("measured on this machine")
 
