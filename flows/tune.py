@@ -39,7 +39,7 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 import tasks  # noqa: E402
-from ridgefill import tuning  # noqa: E402
+from ridgefill import cost, tuning  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.study import Study, find_study, preflight  # noqa: E402
 
@@ -91,6 +91,13 @@ def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | No
     return str(where)
 
 
+def _within_budget(cfg: Study, force: bool, log, model=None, path: str | None = None) -> None:
+    """Log the study's cost estimate and refuse it when over `budget.hours` (unless `force`)."""
+    est, plan = cost.plan(cfg, model=model, path=path)
+    log.info("%s", plan)
+    cost.check_budget(cfg, est, force)
+
+
 @flow(name="tune", log_prints=True)
 def tune(
     study: str = "studies/smollm2-135m.yaml",
@@ -100,9 +107,11 @@ def tune(
     storage: str | None = None,
     publish: bool = True,
     evaluator: str | None = None,
+    force: bool = False,
 ) -> dict:
-    """Tune one study; `overrides` deep-merge into the study file (e.g. a tiny budget for CI);
-    `evaluator` is the test hook of the module docstring."""
+    """Tune one study; `overrides` deep-merge into the study file (e.g. a tiny budget for CI); `evaluator`
+    is the test hook of the module docstring. A study with `budget.hours` is refused before the capture
+    when its estimate (`ridgefill.cost`) exceeds it, unless `force`."""
     log = get_run_logger()
     cfg = preflight(study_path(study), overrides)
     if cfg.hardware.threads:
@@ -116,10 +125,15 @@ def tune(
     m = (cfg.model.dtype, cfg.hardware.device)
     cal = cfg.calibration
 
+    checked = cfg.budget.hours is not None and m[1] == "cuda" and cost.has_shape(cfg)
+    if checked:  # a GPU study's estimate needs only its shape: refuse before any download
+        _within_budget(cfg, force, log)
     res = tasks.resolve_model(cfg)
     spec = cfg.name
     cfg = cfg.model_copy(update={"name": tuning.run_name(spec, res["fingerprint"])})  # per weights
     log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res["revision"], res["path"], cfg.name)
+    if cfg.budget.hours is not None and not checked:  # before the capture: a study that will not fit stops
+        _within_budget(cfg, force, log, tasks.model(res["path"], *m)[0] if m[1] == "cpu" else None, res["path"])
     corpus = tasks.corpus_sha(cal.source)
     cap_args = (res["fingerprint"], corpus, sorted(cfg.search.splits), res["path"], *m, cal.source)
     cap_kw = dict(window=cal.window, max_windows=cal.max_windows, heldout=cal.heldout, root=str(work_dir / "captures"))
@@ -203,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--storage", help="Optuna storage: a .journal path or an RDB URL (postgresql://...)")
     ap.add_argument("--overrides", type=json.loads, help="JSON deep-merged into the study (a smaller budget...)")
     ap.add_argument("--no-publish", action="store_true")
+    ap.add_argument("--force", action="store_true", help="start even if the estimate exceeds budget.hours")
     a = ap.parse_args(argv)
-    out = tune(a.study, a.overrides, a.db, a.work, a.storage, not a.no_publish)
+    out = tune(a.study, a.overrides, a.db, a.work, a.storage, not a.no_publish, force=a.force)
     print(json.dumps(out, indent=2))
 
 

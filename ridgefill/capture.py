@@ -9,7 +9,10 @@ lets a crashed capture resume and end bit-identical to an uninterrupted one.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tqdm import tqdm
 
 from ridgefill.adapters import adapter_for
 
+log = logging.getLogger(__name__)
 META = "capture.json"
 
 
@@ -35,8 +39,8 @@ class SplitStats:
     xy: dict[int, Tensor]  # l -> [d, d]
 
     @classmethod
-    def zeros(cls, split: int, num_layers: int, d: int) -> SplitStats:
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+    def zeros(cls, split: int, num_layers: int, d: int, device: torch.device | str = "cpu") -> SplitStats:
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         late = range(split + 1, num_layers)
         return cls(split, 0, z(d), z(d, d), {l: z(d) for l in late}, {l: z(d, d) for l in late})
 
@@ -52,11 +56,19 @@ class SplitStats:
             self.xy[l] += x.T @ y
 
     def tensors(self) -> dict[str, Tensor]:
+        """CPU copies for saving (the statistics may live on the model's device)."""
         out = {"count": torch.tensor([self.count], dtype=torch.int64), "x_sum": self.x_sum, "xx": self.xx}
         for l in self.xy:
             out[f"y_sum.{l}"] = self.y_sum[l]
             out[f"xy.{l}"] = self.xy[l]
-        return out
+        return {k: v.cpu() for k, v in out.items()}
+
+    def to(self, device: torch.device) -> SplitStats:
+        mv = lambda t: t.to(device)  # noqa: E731
+        return SplitStats(
+            self.split, self.count, mv(self.x_sum), mv(self.xx),
+            {l: mv(v) for l, v in self.y_sum.items()}, {l: mv(v) for l, v in self.xy.items()},
+        )  # fmt: skip
 
     @classmethod
     def from_tensors(cls, split: int, t: dict[str, Tensor]) -> SplitStats:
@@ -71,8 +83,18 @@ class SplitStats:
         )
 
 
-def split_file(split: int) -> str:
-    return f"split_{split:03d}.safetensors"
+def split_file(split: int, done: int) -> str:
+    """A split's statistics after `done` windows; the count in the name makes each checkpoint new files."""
+    return f"split_{split:03d}.w{done:08d}.safetensors"
+
+
+def tokens_file(done: int) -> str:
+    return f"tokens.w{done:08d}.safetensors"
+
+
+def _legacy_files(meta: dict) -> dict:
+    """File names of a capture written before checkpoints named their files by `windows_done`."""
+    return {"tokens": "tokens.safetensors", "splits": {str(s): f"split_{s:03d}.safetensors" for s in meta["splits"]}}
 
 
 @dataclass
@@ -86,28 +108,112 @@ class Capture:
     def splits(self) -> list[int]:
         return list(self.meta["splits"])
 
+    @property
+    def files(self) -> dict:
+        """{"tokens": name, "splits": {split: name}}: the files of the checkpoint capture.json commits to."""
+        return self.meta.get("files") or _legacy_files(self.meta)
+
     def stats(self, split: int) -> SplitStats:
         if split not in self.splits:
             raise ValueError(f"split {split} was not captured; captured: {self.splits}")
-        return SplitStats.from_tensors(split, load_file(self.path / split_file(split)))
+        return SplitStats.from_tensors(split, load_file(self.path / self.files["splits"][str(split)]))
 
     def token_counts(self) -> Tensor:
-        return load_file(self.path / "tokens.safetensors")["token_counts"]
+        return load_file(self.path / self.files["tokens"])["token_counts"]
 
 
-def _save(path: Path, stats: dict[int, SplitStats], token_counts: Tensor, meta: dict) -> None:
-    """Checkpoint atomically: tensors first, then the meta that names how many windows they hold."""
+def _write(path: Path, write: Callable[[Path], object]) -> None:
+    """Write one file under a temporary name and rename it: a reader sees all of it or none (the step the
+    crash tests interrupt)."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def _prune(path: Path, keep: set[str]) -> None:
+    """Remove statistics files and temporaries that the committed capture.json does not name."""
+    for f in sorted(path.iterdir()):
+        ours = f.name.endswith(".tmp") or (f.suffix == ".safetensors" and f.name.startswith(("split_", "tokens")))
+        if ours and f.name not in keep:
+            _remove(f)
+
+
+def _save(path: Path, stats: dict[int, SplitStats], token_counts: Tensor, meta: dict) -> dict:
+    """Checkpoint as one unit: new files named by `windows_done`, then capture.json naming them (one rename,
+    the commit), then the previous checkpoint's files removed. A kill at any step leaves capture.json
+    pointing at a complete, consistent checkpoint. Returns the committed meta."""
     path.mkdir(parents=True, exist_ok=True)
+    done = meta["windows_done"]
+    files = {"tokens": tokens_file(done), "splits": {str(s): split_file(s, done) for s in stats}}
     for s, st in stats.items():
-        tmp = path / (split_file(s) + ".tmp")
-        save_file(st.tensors(), tmp)
-        os.replace(tmp, path / split_file(s))
-    tmp = path / "tokens.safetensors.tmp"
-    save_file({"token_counts": token_counts}, tmp)
-    os.replace(tmp, path / "tokens.safetensors")
-    tmp = path / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, path / META)
+        tensors = st.tensors()
+        _write(path / files["splits"][str(s)], lambda p, t=tensors: save_file(t, p))
+    _write(path / files["tokens"], lambda p: save_file({"token_counts": token_counts.cpu()}, p))
+    meta = {**meta, "files": files}
+    _write(path / META, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
+    _prune(path, {files["tokens"], *files["splits"].values()})
+    return meta
+
+
+def _check_counts(out: Path, cap: Capture, stats: dict[int, SplitStats], token_counts: Tensor) -> None:
+    """Refuse a checkpoint whose statistics do not hold exactly the windows capture.json says are done."""
+    m, done = cap.meta, cap.meta["windows_done"]
+    rows = done * len(range(m["sink_skip"], m["window"], m["stride"]))
+    for s, st in stats.items():
+        if st.count != rows:
+            raise ValueError(
+                f"{out}: {cap.files['splits'][str(s)]} holds {st.count} rows but capture.json says {done} windows "
+                f"({rows} rows); the checkpoint is inconsistent: delete the folder and capture again"
+            )
+    if int(token_counts.sum()) != done * m["window"]:
+        raise ValueError(
+            f"{out}: {cap.files['tokens']} counts {int(token_counts.sum())} tokens but capture.json says {done} "
+            f"windows of {m['window']}; the checkpoint is inconsistent: delete the folder and capture again"
+        )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory on an accelerator (None where torch cannot say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def _has_float64(device: torch.device) -> bool:
+    try:
+        torch.zeros(1, dtype=torch.float64, device=device)
+        return True
+    except (TypeError, RuntimeError):  # MPS: "Cannot convert a MPS Tensor to float64"
+        return False
+
+
+def stats_device(model_device: torch.device, need_bytes: int, where: str = "auto") -> tuple[torch.device, str]:
+    """(device for the float64 statistics, why): the model's own device, where the activations already are,
+    unless it has no float64 or too little free memory (statistics plus half again for activations), then
+    the CPU. `where`: auto | device | cpu (device and cpu force a path; tests compare both)."""
+    cpu = torch.device("cpu")
+    if where not in ("auto", "device", "cpu"):
+        raise ValueError(f"stats device must be auto, device or cpu, got {where!r}")
+    if where == "cpu":
+        return cpu, "cpu (asked)"
+    if where == "device" or model_device.type == "cpu":
+        return model_device, f"{model_device} (the model's device)"
+    if not _has_float64(model_device):
+        return cpu, f"cpu: {model_device} has no float64"
+    free = _free_bytes(model_device)
+    if free is not None and need_bytes * 1.5 > free:
+        gib = f"{need_bytes / 2**30:.1f} GiB, {model_device} has {free / 2**30:.1f} GiB free"
+        return cpu, f"cpu: the statistics need {gib}"
+    return model_device, f"{model_device} (the model's device)"
+
+
+def stats_bytes(splits: list[int], num_layers: int, d: int) -> int:
+    """Bytes of float64 statistics for these splits: per split X^T X and X^T Y_l per late layer, plus sums."""
+    return sum((num_layers - s) * (d * d + d) * 8 for s in splits)
 
 
 def layer_inputs(model: nn.Module, input_ids: Tensor, wanted: set[int]) -> dict[int, Tensor]:
@@ -149,11 +255,16 @@ def capture(
     *,
     sink_skip: int = 4,
     stride: int = 1,
-    checkpoint_every: int = 16,
+    checkpoint_seconds: float = 300.0,
+    stats_on: str = "auto",
     meta: dict | None = None,
     progress: bool = True,
 ) -> Capture:
-    """Accumulate statistics for every split over `windows` [count, length], resuming from `out`."""
+    """Accumulate statistics for every split over `windows` [count, length], resuming from `out`.
+
+    The statistics live on the model's device when it can hold them (`stats_device`). A checkpoint is
+    written when `checkpoint_seconds` have passed since the last one (0: after every window) and at the end.
+    """
     out = Path(out)
     num_layers = model.config.num_hidden_layers
     splits = sorted(set(splits))
@@ -168,20 +279,26 @@ def capture(
         "window": int(windows.shape[1]),
         "windows_total": int(windows.shape[0]),
     }
+    device = next(model.parameters()).device
+    sdev, why = stats_device(device, stats_bytes(splits, num_layers, d), stats_on)
+    log.info("capture statistics (float64) on %s", why)
     done = 0
     if (out / META).is_file():
-        prev = json.loads((out / META).read_text())
-        same = {k: prev.get(k) for k in base_meta} == base_meta
-        if not same:
+        prev = load_capture(out)
+        if {k: prev.meta.get(k) for k in base_meta} != base_meta:
             raise ValueError(f"{out} holds a capture with other settings; use another folder")
-        done = prev["windows_done"]
-        stats = {s: SplitStats.from_tensors(s, load_file(out / split_file(s))) for s in splits}
-        token_counts = load_file(out / "tokens.safetensors")["token_counts"]
+        done = prev.meta["windows_done"]
+        stats = {s: prev.stats(s) for s in splits}
+        token_counts = prev.token_counts()
+        _check_counts(out, prev, stats, token_counts)
+        _prune(out, {prev.files["tokens"], *prev.files["splits"].values()})  # an interrupted checkpoint's files
+        stats = {s: st.to(sdev) for s, st in stats.items()}
     else:
-        stats = {s: SplitStats.zeros(s, num_layers, d) for s in splits}
+        stats = {s: SplitStats.zeros(s, num_layers, d, sdev) for s in splits}
         token_counts = torch.zeros(vocab, dtype=torch.int64)
+    saved = done if (out / META).is_file() else -1
     wanted = set(range(splits[0], num_layers))
-    device = next(model.parameters()).device
+    last = time.monotonic()
     for i in tqdm(
         range(done, windows.shape[0]),
         desc="capture",
@@ -195,12 +312,15 @@ def capture(
         inputs = layer_inputs(model, ids, wanted)
         rows = slice(sink_skip, None, stride)
         for s, st in stats.items():
-            st.add(inputs[s][rows].cpu(), {l: inputs[l][rows].cpu() for l in st.xy})
+            st.add(inputs[s][rows].to(sdev), {l: inputs[l][rows].to(sdev) for l in st.xy})
         done = i + 1
-        if done % checkpoint_every == 0:
-            _save(out, stats, token_counts, {**base_meta, "windows_done": done})
-    _save(out, stats, token_counts, {**base_meta, "windows_done": done})
-    return Capture(out, {**base_meta, "windows_done": done})
+        if time.monotonic() - last >= checkpoint_seconds and done < windows.shape[0]:
+            _save(out, stats, token_counts, {**base_meta, "windows_done": done, "stats_device": str(sdev)})
+            saved, last = done, time.monotonic()
+    if saved != done:
+        meta_done = {**base_meta, "windows_done": done, "stats_device": str(sdev)}
+        return Capture(out, _save(out, stats, token_counts, meta_done))
+    return load_capture(out)
 
 
 def load_capture(path: Path) -> Capture:

@@ -116,7 +116,7 @@ def capture(
     window: int = 512,
     max_windows: int = 128,
     heldout: int = 4,
-    checkpoint_every: int = 16,
+    checkpoint_seconds: Annotated[float, typer.Option(help="seconds between checkpoints")] = 300.0,
     root: Path | None = None,
 ) -> None:
     """Stream calibration text through the model and save ridge statistics for each split."""
@@ -132,7 +132,7 @@ def capture(
         max_windows=max_windows,
         heldout=heldout,
         root=root,
-        checkpoint_every=checkpoint_every,
+        checkpoint_seconds=checkpoint_seconds,
     )
     typer.echo(f"capture: {cap.path} ({cap.meta['windows_done']} windows, splits {cap.splits})")
 

@@ -61,6 +61,9 @@ def register(app: typer.Typer) -> None:
         publish: Annotated[bool, typer.Option(help="publish the chosen map when registry is importable")] = True,
         as_json: Annotated[bool, typer.Option("--json", help="end with the flow's summary as JSON")] = False,
         evaluator: Annotated[str | None, typer.Option(hidden=True, help="test hook (flows/tune.py)")] = None,
+        plan: Annotated[str | None, typer.Option(help="print this study's cost estimate; runs nothing")] = None,
+        gpu: Annotated[str | None, typer.Option(help="GPU class for --plan: h100, h200, a100")] = None,
+        force: Annotated[bool, typer.Option(help="start even if the estimate exceeds budget.hours")] = False,
     ) -> None:
         """Run the tune flow here (Prefect's ephemeral mode unless PREFECT_API_URL is set)."""
         from ridgefill.study import StudyError, find_study, preflight
@@ -69,10 +72,16 @@ def register(app: typer.Typer) -> None:
             extra = json.loads(overrides) if overrides else None
         except json.JSONDecodeError as e:
             raise StudyError(f"--overrides is not valid JSON ({e}): give a JSON object") from None
+        if plan:
+            from ridgefill import cost
+            from ridgefill.study import load_study
+
+            typer.echo(cost.plan(load_study(find_study(plan), extra), gpu)[1])
+            return
         preflight(find_study(study), extra)  # the whole study, before Prefect or any model starts
         flow = _flow()
         out = flow.tune(
-            study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator
+            study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator, force
         )  # fmt: skip
         typer.echo("\n" + out.pop("table"))
         typer.echo(

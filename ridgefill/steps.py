@@ -73,7 +73,7 @@ def run_capture(
     max_windows: int = 128,
     heldout: int = 4,
     root: Path | None = None,
-    checkpoint_every: int = 16,
+    checkpoint_seconds: float = 300.0,
     sink_skip: int = 4,
     stride: int = 1,
     progress: bool = True,
@@ -102,7 +102,7 @@ def run_capture(
         out,
         sink_skip=sink_skip,
         stride=stride,
-        checkpoint_every=checkpoint_every,
+        checkpoint_seconds=checkpoint_seconds,
         meta=meta,
         progress=progress,
     )

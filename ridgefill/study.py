@@ -35,6 +35,7 @@ class ModelSpec(_Strict):
     revision: str = "main"
     local: str | None = Field(None, description="'default' (embedded SmolLM2) or a directory; wins over the hub")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    shape: dict[str, int] | None = Field(None, description="config sizes for `tune --plan` offline (ridgefill.cost)")
 
 
 class Calibration(_Strict):
@@ -119,6 +120,7 @@ class Budget(_Strict):
     trials: Pos
     parallel: Pos = Field(1, description="trials evaluated at once by one flow run")
     seed: int = 0
+    hours: float | None = Field(None, gt=0, description="the flow refuses to start when the estimate exceeds it")
 
 
 class Hardware(_Strict):
