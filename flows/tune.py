@@ -111,7 +111,9 @@ def tune(
     if not Path(cap, "capture.json").is_file():  # the cached result points at a capture deleted since
         cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
     ruler = cfg.objectives.ruler
-    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler))
+    exact = tasks.exact_ruler(
+        res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler), cfg.engine
+    )
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
