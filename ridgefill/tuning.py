@@ -108,11 +108,30 @@ def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int 
 
 
 def first_trials(search: Search, budget: int) -> list[dict]:
-    """Sensible starts: each split (largest first, the safest) at the middle lambda and the largest tail."""
+    """Starts that bracket the split range at the middle lambda and the largest tail: the largest split
+    (the safest), the smallest (the fastest), then S bisected between them. Quality rises and speed falls
+    with S, so the front lies between the ends; a budget of 3 tries 3 splits, a larger one up to half of it."""
     lam = math.sqrt(search.lam[0] * search.lam[1])
-    n = max(1, min(len(search.splits), budget // 2))
-    splits = sorted(search.splits, reverse=True)[:n]
+    n = max(1, min(len(search.splits), max(min(budget, 3), budget // 2)))
+    splits = bracket(sorted(set(search.splits)))[:n]
     return [{"split": s, "lam": lam, "tail": max(search.tails), "share": search.share[0]} for s in splits]
+
+
+def bracket(splits: list[int]) -> list[int]:
+    """Ascending splits in bracketing order: largest, smallest, then the split nearest the middle of each
+    interval, breadth first (coarse intervals before fine ones; ties to the larger, safer split)."""
+    if len(splits) <= 2:
+        return splits[::-1]
+    order, intervals = [splits[-1], splits[0]], [(0, len(splits) - 1)]
+    while intervals:
+        lo, hi = intervals.pop(0)
+        if hi - lo < 2:
+            continue
+        mid = (splits[lo] + splits[hi]) / 2
+        k = min(range(lo + 1, hi), key=lambda i: (abs(splits[i] - mid), -splits[i]))
+        order.append(splits[k])
+        intervals += [(k, hi), (lo, k)]
+    return order
 
 
 def enqueue_first(study: optuna.Study, cfg: Study) -> int:
