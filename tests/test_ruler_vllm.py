@@ -4,7 +4,8 @@ A subset of the smollm2 study's RULER samples (its tasks and length, the first s
 does not depend on how many are drawn) is scored on the tuner's own vLLM paths: the exact baseline on
 stock vLLM, and one trial's engine serving a ridge map fitted here (its RULER in one batch per task x
 length, then its paired TTFT). Every prediction must equal the transformers runtime's; a sample that
-differs must be a near-tie, its logprob margin at the first differing token below MARGIN.
+differs must be a near-tie, its logprob margin at the first differing token below MARGIN. That the trial's
+engine served the map, not stock, shows in its first-token margins: they differ from stock vLLM's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
@@ -21,7 +21,7 @@ from ridgefill import tuning  # noqa: E402
 from ridgefill.evals.ruler import load_haystack  # noqa: E402
 from ridgefill.evals.ruler_run import run_ruler  # noqa: E402
 from ridgefill.maps import load_maps  # noqa: E402
-from ridgefill.runtime import FillPlan, prefill  # noqa: E402
+from ridgefill.runtime import FillPlan  # noqa: E402
 from ridgefill.steps import build_maps, run_capture  # noqa: E402
 from ridgefill.study import load_study  # noqa: E402
 
@@ -29,13 +29,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT, TAIL, LAM = 15, 64, 1e-2
 MARGIN = 0.05  # logprob: below it, float32 rounding differences between runtimes may flip the greedy token
-FIRST_STEP = 2e-3  # the first token's margin comes from the same logits on both runtimes
+MOVED = 0.02  # a first-token margin the map moves by more than this is not rounding
 
 
 @pytest.fixture(scope="module")
 def cfg():
     small = {
-        "objectives": {"ruler": {"samples": 3}, "ttft": {"lengths": [512], "repeats": 1, "warmup": 0}},
+        "objectives": {"ruler": {"samples": 2}, "ttft": {"lengths": [512], "repeats": 1, "warmup": 0}},
         "search": {"tails": [TAIL]},
     }
     return load_study(ROOT / "studies" / "smollm2-135m.yaml", small)
@@ -45,32 +45,18 @@ def cfg():
 def setup(tmp_path_factory, smollm2, cfg):
     model, tok = smollm2
     root = tmp_path_factory.mktemp("ruler-vllm")
-    cap = run_capture(model, tok, "pydoc", [SPLIT], window=256, max_windows=24, heldout=2, root=root, progress=False)
+    cap = run_capture(model, tok, "pydoc", [SPLIT], window=256, max_windows=8, heldout=2, root=root, progress=False)
     defaults = {"tail": TAIL, "sink": 4, "share": 0.0}
     folder = build_maps(model, tok, cap, SPLIT, LAM, root / "maps", heldout_windows=1, defaults=defaults)
     ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), sink=4, tail=TAIL)
     r = cfg.objectives.ruler
     plans = {"exact": FillPlan(), "ridge": ridge}
     ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.samples, r.seed)
-    first = {}  # (plan, task, index): the transformers runtime's first-token margin
-    for row in ref["samples"]:
-        x = _prompt(tok, r, row)
-        lp = torch.log_softmax(prefill(model, torch.tensor([x]), plans[row["plan"]]).logits.float(), -1)
-        top = lp.topk(2).values
-        first[(row["plan"], row["task"], row["index"])] = float(top[0] - top[1])
-    return {"model": model, "tok": tok, "folder": folder, "ridge": ridge, "ref": ref, "first": first}
+    return {"model": model, "tok": tok, "folder": folder, "ref": ref}
 
 
-def _prompt(tok, r, row) -> list[int]:
-    from ridgefill.evals.ruler import make_samples
-
-    batch = make_samples(row["task"], tok, row["length"], load_haystack(r.haystack), row["index"] + 1, r.seed)
-    return batch[row["index"]].input_ids
-
-
-@pytest.fixture
-def jobs(monkeypatch):
-    """The tuner's vLLM jobs, run for real, with per-step margins asked for and the whole result kept."""
+def run_jobs(monkeypatch, call):
+    """`call` with the tuner's vLLM jobs run for real and per-step margins asked for: (its value, the results)."""
     seen: list[dict] = []
     real = tuning.run_vllm_job
 
@@ -80,11 +66,23 @@ def jobs(monkeypatch):
         seen.append(real(job))
         return seen[-1]
 
-    monkeypatch.setattr(tuning, "run_vllm_job", run)
-    return seen
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "run_vllm_job", run)
+        return call(), seen
 
 
-def assert_same_predictions(got: list[dict], ref: list[dict], plan: str, first: dict) -> None:
+@pytest.fixture(scope="module")
+def baseline(setup, cfg):
+    """The exact baseline as the tuner computes it on vLLM (stock engine): (scores, the job's result)."""
+    s = setup
+    with pytest.MonkeyPatch.context() as mp:
+        scores, (out,) = run_jobs(
+            mp, lambda: tuning.run_ruler_plan(s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32")
+        )
+    return scores, out
+
+
+def assert_same_predictions(got: list[dict], ref: list[dict], plan: str) -> None:
     want = {(r["task"], r["length"], r["index"]): r for r in ref if r["plan"] == plan}
     assert len(got) == len(want) > 0
     differ = []
@@ -92,7 +90,6 @@ def assert_same_predictions(got: list[dict], ref: list[dict], plan: str, first: 
         key = (g["task"], g["length"], g["index"])
         r = want[key]
         assert g["region"] == r["region"], key
-        assert abs(g["margins"][0] - first[(plan, g["task"], g["index"])]) < FIRST_STEP, key
         if g["tokens"] != r["tokens"]:
             i = next(i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"], strict=False)) if a != b)
             assert g["margins"][i] < MARGIN, (key, i, g["margins"][i], g["prediction"], r["prediction"])
@@ -102,30 +99,25 @@ def assert_same_predictions(got: list[dict], ref: list[dict], plan: str, first: 
     assert len(differ) <= 1, differ  # more than one near-tie in a handful of samples: look again
 
 
-def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, jobs):
-    s = setup
-    scores = tuning.run_ruler_plan(s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32")
-    (out,) = jobs
+def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
+    scores, out = baseline
     assert out["ridgefill_active"] is False and out["ruler"]["skipped"] == []
-    assert scores == out["ruler"]["scores"]["p"]
-    assert set(scores) == set(cfg.objectives.ruler.tasks)
-    assert_same_predictions(out["ruler"]["samples"], s["ref"]["samples"], "exact", s["first"])
+    assert scores == out["ruler"]["scores"]["p"] and set(scores) == set(cfg.objectives.ruler.tasks)
+    assert_same_predictions(out["ruler"]["samples"], setup["ref"]["samples"], "exact")
 
 
-def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, cfg, jobs):
+def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, cfg, baseline, monkeypatch):
     s = setup
     params = tuning.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
     plan = tuning.plan_for(params, s["folder"], s["model"], s["tok"])
-    res = tuning.run_trial_vllm(s["model"], plan, cfg)
-    (out,) = jobs  # one engine served both
+    res, (out,) = run_jobs(monkeypatch, lambda: tuning.run_trial_vllm(s["model"], plan, cfg))  # one engine: both
     assert out["ridgefill_active"] is True
     rows = out["ruler"]["samples"]
     assert {r["plan"] for r in rows} == {"p"} and {r["region"] for r in rows} <= {"sink", "bulk", "tail"}
-    assert_same_predictions([r | {"plan": "ridge"} for r in rows], s["ref"]["samples"], "ridge", s["first"])
-    # the ridge map was served, not stock: some first-token margin moved by far more than FIRST_STEP
-    f = s["first"]
-    moved = [abs(f[("ridge", t, i)] - f[("exact", t, i)]) for p, t, i in f if p == "ridge"]
-    assert max(moved) > 10 * FIRST_STEP, moved
+    assert_same_predictions([r | {"plan": "ridge"} for r in rows], s["ref"]["samples"], "ridge")
+    stock = {(r["task"], r["index"]): r["margins"][0] for r in baseline[1]["ruler"]["samples"]}
+    moved = [abs(r["margins"][0] - stock[(r["task"], r["index"])]) for r in rows]
+    assert max(moved) > MOVED, moved  # the map was served: stock vLLM's first-token margins moved
     assert res["ruler"] == out["ruler"]["scores"]["p"]
     ttft = res["ttft"]["512"]
     assert ttft["tokens"] == 512 and len(ttft["exact_s"]) == len(ttft["fill_s"]) == 1
