@@ -142,11 +142,13 @@ def tune(
         cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
     log.info("[2/%d] capture: %s (%s, splits %s)", STAGES, cap, cal.source, sorted(cfg.search.splits))
     ruler = cfg.objectives.ruler
-    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler))
+    exact = tasks.exact_ruler(
+        res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler), cfg.engine
+    )
     cells = [c["all"] for lengths in exact.values() for c in lengths.values()]
     log.info(
-        "[3/%d] exact RULER baseline: %s at %s tokens, %d samples each: mean %.1f",
-        STAGES, ",".join(ruler.tasks), ruler.lengths, ruler.samples, sum(cells) / max(1, len(cells)),
+        "[3/%d] exact RULER baseline (%s): %s at %s tokens, %d samples each: mean %.1f",
+        STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.samples, sum(cells) / max(1, len(cells)),
     )  # fmt: skip
 
     with Recorder(db_path) as rec:

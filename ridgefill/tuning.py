@@ -108,11 +108,30 @@ def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int 
 
 
 def first_trials(search: Search, budget: int) -> list[dict]:
-    """Sensible starts: each split (largest first, the safest) at the middle lambda and the largest tail."""
+    """Starts that bracket the split range at the middle lambda and the largest tail: the largest split
+    (the safest), the smallest (the fastest), then S bisected between them. Quality rises and speed falls
+    with S, so the front lies between the ends; a budget of 3 tries 3 splits, a larger one up to half of it."""
     lam = math.sqrt(search.lam[0] * search.lam[1])
-    n = max(1, min(len(search.splits), budget // 2))
-    splits = sorted(search.splits, reverse=True)[:n]
+    n = max(1, min(len(search.splits), max(min(budget, 3), budget // 2)))
+    splits = bracket(sorted(set(search.splits)))[:n]
     return [{"split": s, "lam": lam, "tail": max(search.tails), "share": search.share[0]} for s in splits]
+
+
+def bracket(splits: list[int]) -> list[int]:
+    """Ascending splits in bracketing order: largest, smallest, then the split nearest the middle of each
+    interval, breadth first (coarse intervals before fine ones; ties to the larger, safer split)."""
+    if len(splits) <= 2:
+        return splits[::-1]
+    order, intervals = [splits[-1], splits[0]], [(0, len(splits) - 1)]
+    while intervals:
+        lo, hi = intervals.pop(0)
+        if hi - lo < 2:
+            continue
+        mid = (splits[lo] + splits[hi]) / 2
+        k = min(range(lo + 1, hi), key=lambda i: (abs(splits[i] - mid), -splits[i]))
+        order.append(splits[k])
+        intervals += [(k, hi), (lo, k)]
+    return order
 
 
 def enqueue_first(study: optuna.Study, cfg: Study) -> int:
@@ -447,8 +466,14 @@ def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
     return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
 
 
-def run_ruler_plan(model, tokenizer, plan, r: Ruler) -> dict:
-    """RULER scores {task: {length: cell}} of one plan on the study's tasks, lengths and samples."""
+def run_ruler_plan(model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
+    """RULER scores {task: {length: cell}} of one plan on the study's tasks, lengths and samples; on vLLM
+    only the exact plan (the baseline, stock vLLM): a trial's plan runs in `run_trial_vllm`."""
+    if engine == "vllm":
+        if plan.mode != "exact":
+            raise ValueError("on vLLM a trial's RULER and TTFT share one engine: use run_trial_vllm")
+        job = vllm_job(model, dtype, ruler=r)
+        return run_vllm_job(job)["ruler"]["scores"].get("p", {})
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.evals.ruler_run import run_ruler
 
@@ -498,36 +523,58 @@ def engine_for(name: str, model):
     return check_engine(name)(model)
 
 
-def run_ttft_vllm(model, plan, cfg: Study) -> dict:
-    """Paired TTFT on vLLM: one engine per trial, in its own process (vLLM keeps global state)."""
+def vllm_job(model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None) -> dict:
+    """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
+    baseline), else the plan's map folder and row policy; RULER scores the plan ("p"), TTFT pairs it with exact."""
+    import torch
+
+    job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
+    if plan is not None and plan.mode != "exact":
+        if plan.maps is None:
+            raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
+        job["maps"] = str(plan.maps.path)
+        job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share}
+    if ruler is not None:
+        kind = "served" if job["maps"] else "exact"
+        job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}}
+    if ttft is not None:
+        job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
+    if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
+        free, total = torch.cuda.mem_get_info()
+        job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
+    return job
+
+
+def run_vllm_job(job: dict) -> dict:
+    """Run one engine's job in its own process (vLLM keeps global state); its JSON result."""
     import json
     import os
     import subprocess
     import sys
     import tempfile
 
-    import torch
-
-    t = cfg.objectives.ttft
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ttft.json")
-        opts = {
-            "engine": "vllm", "model": model.config._name_or_path, "maps": plan.maps.path, "sink": plan.sink,
-            "tail": plan.tail, "share": plan.share, "repeats": t.repeats, "warmup": t.warmup,
-            "dtype": cfg.model.dtype, "out": out,
-        }  # fmt: skip
-        if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
-            free, total = torch.cuda.mem_get_info()
-            opts["gpu-memory"] = f"{max(0.05, free / total - 0.05):.3f}"
-        args = [(f"--{k}", str(v)) for k, v in opts.items()] + [("--length", str(n)) for n in t.lengths]
-        cmd = [sys.executable, "-m", "ridgefill.cli", "eval", "ttft", *(a for pair in args for a in pair)]
+        src, dst = Path(tmp, "job.json"), Path(tmp, "out.json")
+        src.write_text(json.dumps(job))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        cmd = [sys.executable, "-m", "ridgefill.evals.vllm_trial", str(src), str(dst)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"vLLM TTFT failed: {proc.stderr[-2000:]}")
-        with open(out) as f:
-            return json.load(f)["lengths"]
+            raise RuntimeError(f"the vLLM engine failed: {proc.stderr[-2000:]}")
+        return json.loads(dst.read_text())
+
+
+def run_trial_vllm(model, plan, cfg: Study) -> dict:
+    """One engine per trial serves its RULER (every sample of a task x length in one batch) and its paired
+    TTFT: {"ruler": {task: {length: cell}}, "ttft": {length: paired_ttft result}}."""
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, cfg.objectives.ttft))
+    return {"ruler": out["ruler"]["scores"].get("p", {}), "ttft": out["ttft"]}
+
+
+def run_ttft_vllm(model, plan, cfg: Study) -> dict:
+    """Paired TTFT on vLLM: one engine, in its own process."""
+    return run_vllm_job(vllm_job(model, cfg.model.dtype, plan, ttft=cfg.objectives.ttft))["ttft"]
 
 
 def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:

@@ -125,22 +125,28 @@ def fit(capture_path: str, path: str, dtype: str, device: str, params: dict, out
 
 
 @task(cache_policy=CACHED, persist_result=True, result_serializer="json")
-def exact_ruler(fingerprint: str, path: str, dtype: str, device: str, ruler: dict, inputs_sha: str) -> dict:
-    """The exact baseline's RULER scores, computed once per model weights, RULER settings and
+def exact_ruler(
+    fingerprint: str, path: str, dtype: str, device: str, ruler: dict, inputs_sha: str, engine: str = "transformers"
+) -> dict:
+    """The exact baseline's RULER scores, computed once per model weights, RULER settings, engine and
     `inputs_sha` (haystack text and RULER code: `tuning.ruler_inputs_sha`)."""
     from ridgefill.runtime import FillPlan
     from ridgefill.study import Ruler
 
     lm, tok = model(path, dtype, device)
-    return tuning.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler))
+    return tuning.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
 
 
 @task(cache_policy=NO_CACHE)
-def evaluate(path: str, dtype: str, device: str, params: dict, map_path: str, exact: dict, cfg: Study) -> dict:
-    """RULER delta vs the exact baseline and dNLL of the trial's plan, with metric rows."""
+def evaluate(
+    path: str, dtype: str, device: str, params: dict, map_path: str, exact: dict, cfg: Study, scores: dict | None = None
+) -> dict:
+    """RULER delta vs the exact baseline and dNLL of the trial's plan, with metric rows (`scores`: RULER
+    already measured on vLLM; dNLL stays on transformers)."""
     lm, tok = model(path, dtype, device)
     plan = tuning.plan_for(tuning.Params(**params), map_path, lm, tok)
-    scores = tuning.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
+    if scores is None:
+        scores = tuning.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
     dnll, nll_rows = tuning.run_nll(lm, tok, plan, cfg)
     return {
         "ruler_delta": tuning.ruler_delta(scores, exact),
@@ -159,13 +165,25 @@ def measure_ttft(path: str, dtype: str, device: str, params: dict, map_path: str
 
 
 @task(cache_policy=NO_CACHE)
+def serve_vllm(path: str, dtype: str, device: str, params: dict, map_path: str, cfg: Study) -> dict:
+    """The trial's RULER (a batch per task x length) and paired TTFT, served by one vLLM engine."""
+    lm, tok = model(path, dtype, device)
+    return tuning.run_trial_vllm(lm, tuning.plan_for(tuning.Params(**params), map_path, lm, tok), cfg)
+
+
+@task(cache_policy=NO_CACHE)
 def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> tuning.Outcome:
     """fit -> evaluate -> TTFT for one trial (nested tasks, so each step shows in the run)."""
     m = (ctx["path"], cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx["maps"]) / f"trial-{number:04d}")
     folder = fit(ctx["capture"], *m, params, out)
-    ev = evaluate(*m, params, folder, exact, cfg)
-    tt = measure_ttft(*m, params, folder, cfg)
+    if cfg.engine == "vllm":  # one engine serves the trial's RULER and TTFT
+        served = serve_vllm(*m, params, folder, cfg)
+        ev = evaluate(*m, params, folder, exact, cfg, served["ruler"])
+        tt = {"speedup": tuning.ttft_speedup(served["ttft"]), "rows": tuning.ttft_rows(served["ttft"])}
+    else:
+        ev = evaluate(*m, params, folder, exact, cfg)
+        tt = measure_ttft(*m, params, folder, cfg)
     return tuning.Outcome(ev["ruler_delta"], tt["speedup"], ev["dnll"], folder, ev["rows"] + tt["rows"])
 
 
@@ -227,6 +245,7 @@ __all__ = [
     "resolve_model",
     "run_trial",
     "select_best",
+    "serve_vllm",
 ]
 
 

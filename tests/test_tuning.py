@@ -68,8 +68,8 @@ def test_front_choose_and_reports(tmp_path):
     ran = tuning.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
     assert ran == 6 and tuning.completed(study) == 6
     first = [t.params for t in study.trials[:3]]
-    deepest_first = sorted(cfg.search.splits, reverse=True)[:3]  # enqueued: each split, the safest first
-    assert [p["split"] for p in first] == deepest_first and all(p["tail"] == 256 for p in first)
+    # enqueued: the split range bracketed, the safest first (largest, smallest, the middle)
+    assert [p["split"] for p in first] == [22, 15, 18] and all(p["tail"] == 256 for p in first)
     trials = study.trials
     fr, best = (
         tuning.front(trials, cfg.constraints.max_ruler_drop),

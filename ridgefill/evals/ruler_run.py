@@ -29,38 +29,45 @@ def run_ruler(
 ) -> dict:
     """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}}."""
     device = next(model.parameters()).device
-    rows, skipped = [], []
+    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed)
+    rows = []
+    for task, length, batch in cells:
+        for name, plan in plans.items():
+            for x in tqdm(batch, desc=f"{task}@{length} {name}", disable=not progress, leave=False):
+                ids = torch.tensor([x.input_ids], device=device)
+                new = generate(model, ids, plan, x.max_new_tokens)[0].tolist()
+                rows.append(sample_row(name, plan, task, length, x, new, tokenizer))
+    return {"samples": rows, "scores": aggregate(rows), "skipped": skipped}
+
+
+def sample_cells(tokenizer, tasks: list[str], lengths: list[int], haystack, samples: int, seed: int):
+    """([(task, length, samples)], skipped): every engine scores the same prompts, task by length."""
+    cells, skipped = [], []
     for task in tasks:
         for length in lengths:
             try:
-                batch = make_samples(task, tokenizer, length, haystack, samples, seed)
+                cells.append((task, length, make_samples(task, tokenizer, length, haystack, samples, seed)))
             except TaskUnavailable as e:
                 skipped.append({"task": task, "length": length, "why": str(e)})
-                continue
-            for name, plan in plans.items():
-                for x in tqdm(batch, desc=f"{task}@{length} {name}", disable=not progress, leave=False):
-                    ids = torch.tensor([x.input_ids], device=device)
-                    new = generate(model, ids, plan, x.max_new_tokens)
-                    text = tokenizer.decode(new[0], skip_special_tokens=True)
-                    region = (
-                        region_of(x.needle_spans, len(x.input_ids), plan.sink, plan.tail)
-                        if plan.mode != "exact"
-                        else "exact"
-                    )
-                    rows.append(
-                        {
-                            "plan": name,
-                            "task": task,
-                            "length": length,
-                            "index": x.index,
-                            "region": region,
-                            "score": sample_score(task, text, x.answers),
-                            "prediction": text,
-                            "answers": x.answers,
-                            "depths": x.depths,
-                        }
-                    )
-    return {"samples": rows, "scores": aggregate(rows), "skipped": skipped}
+    return cells, skipped
+
+
+def sample_row(name: str, plan: FillPlan, task: str, length: int, x, new: list[int], tokenizer) -> dict:
+    """One sample's outcome under `plan`: its generated tokens, decoded prediction, score and needle region."""
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    region = region_of(x.needle_spans, len(x.input_ids), plan.sink, plan.tail) if plan.mode != "exact" else "exact"
+    return {
+        "plan": name,
+        "task": task,
+        "length": length,
+        "index": x.index,
+        "region": region,
+        "score": sample_score(task, text, x.answers),
+        "prediction": text,
+        "tokens": new,
+        "answers": x.answers,
+        "depths": x.depths,
+    }
 
 
 def aggregate(rows: list[dict]) -> dict:

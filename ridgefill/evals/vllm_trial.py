@@ -1,0 +1,88 @@
+"""One vLLM engine serves one trial (or the exact baseline): its RULER, then its paired TTFT.
+
+The tuner runs this in its own process (vLLM keeps global state) and reads the result back as JSON:
+    python -m ridgefill.evals.vllm_trial JOB.json OUT.json
+A job names the model, its dtype, the map folder (none: stock vLLM, the exact baseline) with the
+trial's row policy, and what to measure: `ruler` (a study's RULER settings and the plans to score,
+each "exact" or "served") and/or `ttft` (lengths, repeats, warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def engine_length(job: dict) -> int:
+    """The context the engine needs: RULER keeps prompt + generated tokens within each length."""
+    need = list(job["ruler"]["lengths"]) if job.get("ruler") else []
+    if job.get("ttft"):
+        need += [n + 16 for n in job["ttft"]["lengths"]]
+    return max(need)
+
+
+def run_job(job: dict) -> dict:
+    """Build the engine once, run the job's RULER and TTFT on it; a JSON-ready result."""
+    from transformers import AutoTokenizer
+
+    from ridgefill.vllm_plugin.offline import make_llm, served_model
+
+    ruler = job.get("ruler")
+    batch = ruler["samples"] if ruler else 1
+    llm = make_llm(
+        job["model"], job.get("maps"), max_model_len=engine_length(job), dtype=job.get("dtype", "float32"),
+        options=job.get("options"), max_num_seqs=max(8, min(256, batch)),
+        gpu_memory_utilization=job.get("gpu_memory"),
+    )  # fmt: skip
+    state = getattr(served_model(llm), "ridgefill", None)
+    if job.get("maps") and state is None:
+        raise RuntimeError(f"the engine refused the map folder {job['maps']} (see its warning above)")
+    out: dict = {"ridgefill_active": state is not None, "seconds": {}}
+    if ruler:
+        from ridgefill.evals.ruler import load_haystack
+        from ridgefill.evals.ruler_vllm import run_ruler_vllm
+
+        tok = AutoTokenizer.from_pretrained(job["model"])
+        hay = load_haystack(ruler["haystack"])
+        t = time.perf_counter()
+        out["ruler"] = run_ruler_vllm(
+            llm, tok, ruler["plans"], list(ruler["tasks"]), list(ruler["lengths"]), hay, ruler["samples"],
+            ruler.get("seed", 0), margins=bool(ruler.get("margins")),
+        )  # fmt: skip
+        out["seconds"]["ruler"] = time.perf_counter() - t
+    if job.get("ttft"):
+        out["ttft"] = _ttft(llm, job["ttft"])
+        out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
+    return out
+
+
+def _ttft(llm, t: dict) -> dict:
+    """Paired TTFT (exact vs the served maps) per length on the engine, as `eval ttft` measures it."""
+    from ridgefill.evals.ruler_vllm import served_plan
+    from ridgefill.evals.ttft import paired_ttft, random_prompt
+    from ridgefill.vllm_plugin.offline import ttft_engine
+
+    run, plan = ttft_engine(llm), served_plan(llm)  # ttft_engine raises on a stock engine
+    vocab = llm.get_tokenizer().vocab_size
+    res = {}
+    for n in t["lengths"]:
+        start = time.perf_counter()
+        res[str(n)] = paired_ttft(run, random_prompt(vocab, n), plan, t.get("repeats", 3), t.get("warmup", 1))
+        res[str(n)]["seconds"] = time.perf_counter() - start
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("job", type=Path)
+    ap.add_argument("out", type=Path)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # served_model reads the in-process engine
+    a.out.write_text(json.dumps(run_job(json.loads(a.job.read_text()))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""A small trial budget brackets the split range first (issue 13): the ends, then S bisected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ridgefill import tuning
+from ridgefill.study import load_study
+
+STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
+
+
+@pytest.mark.parametrize(
+    ("splits", "order"),
+    [
+        ([15, 18, 20, 22], [22, 15, 18, 20]),
+        ([12, 16, 20], [20, 12, 16]),
+        ([18, 22, 26, 30], [30, 18, 26, 22]),  # 22 and 26 tie around 24: the larger, safer one first
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 1, 5, 7, 3, 8, 6, 4, 2]),
+        ([3, 9], [9, 3]),
+        ([7], [7]),
+    ],
+)
+def test_bracket_order(splits, order):
+    assert tuning.bracket(splits) == order
+
+
+@pytest.mark.parametrize(("budget", "want"), [(1, [20]), (2, [20, 12]), (3, [20, 12, 16]), (8, [20, 12, 16])])
+def test_first_trials_cover_the_splits_a_small_budget_allows(budget, want):
+    search = load_study(STUDY, {"search": {"splits": [12, 16, 20]}}).search
+    starts = tuning.first_trials(search, budget)
+    assert [s["split"] for s in starts] == want
+    mid = (search.lam[0] * search.lam[1]) ** 0.5  # the middle lambda on the log scale
+    assert all(s["tail"] == max(search.tails) and s["lam"] == pytest.approx(mid) for s in starts)
+
+
+def test_three_splits_three_trials_every_split_is_tried(tmp_path):
+    """The issue's case: 3 candidate splits, a budget of 3 on a new model; every split runs once."""
+    cfg = load_study(STUDY, {"budget": {"trials": 3}, "search": {"splits": [12, 16, 20]}})
+    study = tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
+    assert tuning.enqueue_first(study, cfg) == 3
+
+    def evaluate(batch):
+        return [tuning.Outcome(-(20 - p.split) * 2.0, 1.0 + (30 - p.split) / 10) for _, p in batch]
+
+    assert tuning.optimize(study, cfg, evaluate) == 3
+    assert sorted(t.params["split"] for t in study.trials) == [12, 16, 20]

