@@ -110,7 +110,6 @@ class RowClassifier:
             num_tokens, torch.from_numpy(protected), torch.from_numpy(req_of_token), torch.from_numpy(pos), runs
         )
 
-
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
         """Note a prompt that ran rows between its sink and tail with none of them bulk (once its prompt is done)."""
         if plen <= self.sink + self.tail:
@@ -120,9 +119,8 @@ class RowClassifier:
         seen[0] += int(zone.sum())
         seen[1] += int((~protected).sum())
         if pos[-1] >= plen - 1 and seen[0] > 0 and seen[1] == 0 and self.inert is None:
-            self.inert = (
-                f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} "
-                + ("with share 1 (every row protected)" if self.share >= 1 else "and the classifier protected them all")
+            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} " + (
+                "with share 1 (every row protected)" if self.share >= 1 else "and the classifier protected them all"
             )
 
 

@@ -76,8 +76,10 @@ class ServeState:
         """Count a step the RidgeFill forward ran; log the counters every RIDGEFILL_LOG_EVERY such steps."""
         c = self.counters
         bulk = int((~rows.protected).sum())
-        c.bulk_steps, c.bulk_rows, c.protected_rows = c.bulk_steps + 1, c.bulk_rows + bulk, c.protected_rows + (
-            rows.num_tokens - bulk
+        c.bulk_steps, c.bulk_rows, c.protected_rows = (
+            c.bulk_steps + 1,
+            c.bulk_rows + bulk,
+            c.protected_rows + (rows.num_tokens - bulk),
         )
         if c.bulk_steps % log_every() == 0:
             log.info("%s", c.line())
