@@ -325,7 +325,8 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
     rows = step_rows(_fake_runner(_step(np.random.default_rng(0)), classifier), classifier)
     state.record(rows)
     bulk = int((~rows.protected).sum())
-    assert state.counters.as_dict() == {"bulk_steps": 1, "bulk_rows": bulk, "protected_rows": 218 - bulk}
+    want = {"bulk_steps": 1, "bulk_rows": bulk, "protected_rows": 218 - bulk, "mixed_steps": 1}
+    assert state.counters.as_dict() == want and rows.decodes == 1  # "dec" (the preempted one re-prefills)
     line = f"RidgeFill counters: 1 steps with bulk rows, {bulk} bulk rows filled"
     assert any(m.startswith(line) for m in ridgefill_log)
     state.after_step()
@@ -341,3 +342,41 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
         "RidgeFill is inert: a 90-token prompt ran 70 rows between sink 4 and tail 16 with share 1 "
         "(every row protected)"
     ]
+
+
+def test_requests_with_bulk_rows_are_salted_and_capped_before_hashing():
+    """The patched EngineCore.preprocess_add_request on vLLM's real request and block hasher: a request with
+    bulk rows gets the engine's salt (so its block hashes differ from a stock request's on the same tokens)
+    and a cap at its tail; a short prompt and a prompt-logprobs request stay stock."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core import EngineCore
+
+    from ridgefill.vllm_plugin import prefix_cache as pc
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    policy = pc.policy_for({"model": "m"}, 4, 16, 0.0, "ridge", lambda: True)
+    core = SimpleNamespace(
+        scheduler=SimpleNamespace(ridgefill_cache=policy),
+        mm_receiver_cache=None,
+        request_block_hasher=get_request_block_hasher(16, hash_fn),
+    )
+    stock_core = SimpleNamespace(**{**vars(core), "scheduler": SimpleNamespace(ridgefill_cache=None)})
+
+    def request(n: int, prompt_logprobs=None):
+        params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs)
+        return EngineCoreRequest("r", list(range(100, 100 + n)), None, params, None, 0.0, None, None, None)
+
+    filled, _ = EngineCore.preprocess_add_request(core, request(100))
+    stock, _ = EngineCore.preprocess_add_request(stock_core, request(100))
+    assert getattr(filled, pc.CAP) == 100 - 16 and getattr(stock, pc.CAP) is None
+    assert policy.tag in filled.cache_salt and stock.cache_salt is None
+    assert len(filled.block_hashes) == len(stock.block_hashes) == 6
+    assert not set(filled.block_hashes) & set(stock.block_hashes)  # never shared
+    short, _ = EngineCore.preprocess_add_request(core, request(20))  # sink + tail: no bulk row
+    with_lp, _ = EngineCore.preprocess_add_request(core, request(100, prompt_logprobs=0))
+    assert getattr(short, pc.CAP) is None and short.cache_salt is None
+    assert getattr(with_lp, pc.CAP) is None and with_lp.block_hashes == stock.block_hashes

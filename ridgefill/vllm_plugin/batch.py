@@ -29,6 +29,7 @@ class StepRows:
     positions: Tensor  # [num_tokens] long, absolute positions
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end token, request index)
     cache: dict = field(default_factory=dict)  # per-step metadata shared by the late layers
+    decodes: int = 0  # requests of the step past their prompt (decoding or recomputing outputs)
 
     @property
     def any_bulk(self) -> bool:
@@ -106,8 +107,14 @@ class RowClassifier:
         for stale in [k for k in self.fill if k not in live]:
             del self.fill[stale]
         runs = _runs(protected, req_of_token, pos)
+        decodes = int(((counts > 0) & (computed >= plens)).sum())
         return StepRows(
-            num_tokens, torch.from_numpy(protected), torch.from_numpy(req_of_token), torch.from_numpy(pos), runs
+            num_tokens,
+            torch.from_numpy(protected),
+            torch.from_numpy(req_of_token),
+            torch.from_numpy(pos),
+            runs,
+            decodes=decodes,
         )
 
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:

@@ -40,9 +40,11 @@ class Counters:
     bulk_steps: int = 0  # steps that filled bulk rows
     bulk_rows: int = 0  # bulk rows filled (their late-layer K/V written from the prediction)
     protected_rows: int = 0  # protected rows run through the late layers in those steps
+    mixed_steps: int = 0  # of those steps, the ones that also held a decoding request
 
     def as_dict(self) -> dict[str, int]:
-        return {"bulk_steps": self.bulk_steps, "bulk_rows": self.bulk_rows, "protected_rows": self.protected_rows}
+        names = ("bulk_steps", "bulk_rows", "protected_rows", "mixed_steps")
+        return {n: getattr(self, n) for n in names}
 
     def line(self) -> str:
         return (
@@ -76,11 +78,10 @@ class ServeState:
         """Count a step the RidgeFill forward ran; log the counters every RIDGEFILL_LOG_EVERY such steps."""
         c = self.counters
         bulk = int((~rows.protected).sum())
-        c.bulk_steps, c.bulk_rows, c.protected_rows = (
-            c.bulk_steps + 1,
-            c.bulk_rows + bulk,
-            c.protected_rows + (rows.num_tokens - bulk),
-        )
+        c.bulk_steps += 1
+        c.bulk_rows += bulk
+        c.protected_rows += rows.num_tokens - bulk
+        c.mixed_steps += int(rows.decodes > 0)
         if c.bulk_steps % log_every() == 0:
             log.info("%s", c.line())
 
