@@ -49,7 +49,7 @@ def worker(spec: dict) -> dict:
         options={"mode": spec["mode"]},
         prefix_caching=spec["prefix_caching"],
         max_num_seqs=4,
-        block_size=16,
+        block_size=32,  # the CPU attention needs multiples of 32; FlashAttention takes it too
         enforce_eager=spec["enforce_eager"],
     )
     model, runner = served_model(llm), runner_of(llm)
