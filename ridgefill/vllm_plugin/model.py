@@ -9,10 +9,10 @@ the stock forward.
 
 from __future__ import annotations
 
-import os
+import atexit
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +24,33 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
-from ridgefill.vllm_plugin import prefix_cache
 from ridgefill.vllm_plugin.backend import attend, write_kv
 from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows
+from ridgefill.vllm_plugin.config import maps_path, serve_options, unsupported
+from ridgefill.vllm_plugin.patches import PATCHES, log_every
 
 log = init_logger("vllm.ridgefill")
 _KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_proj\.(weight|bias)$")
+
+
+@dataclass
+class Counters:
+    """What one engine's RidgeFill forward really did: the proof that it is active."""
+
+    bulk_steps: int = 0  # steps that filled bulk rows
+    bulk_rows: int = 0  # bulk rows filled (their late-layer K/V written from the prediction)
+    protected_rows: int = 0  # protected rows run through the late layers in those steps
+    mixed_steps: int = 0  # of those steps, the ones that also held a decoding request
+
+    def as_dict(self) -> dict[str, int]:
+        names = ("bulk_steps", "bulk_rows", "protected_rows", "mixed_steps")
+        return {n: getattr(self, n) for n in names}
+
+    def line(self) -> str:
+        return (
+            f"RidgeFill counters: {self.bulk_steps} steps with bulk rows, {self.bulk_rows} bulk rows filled, "
+            f"{self.protected_rows} protected rows run"
+        )
 
 
 @dataclass
@@ -42,71 +63,41 @@ class ServeState:
     kv: dict[tuple[int, str, str], Tensor]
     rows: StepRows | None = None
     enabled: bool = True  # off: serve stock (paired TTFT on one engine); flip only while no request is in flight
+    counters: Counters = field(default_factory=Counters)
+    refused: str | None = None  # set once the runner hook found it cannot classify: stock for good
+    warned_inert: bool = False
 
     @property
     def split(self) -> int:
         return self.maps.split
 
+    def refuse(self, why: str) -> None:
+        self.refused, self.enabled = why, False
+
+    def record(self, rows: StepRows) -> None:
+        """Count a step the RidgeFill forward ran; log the counters every RIDGEFILL_LOG_EVERY such steps."""
+        c = self.counters
+        bulk = int((~rows.protected).sum())
+        c.bulk_steps += 1
+        c.bulk_rows += bulk
+        c.protected_rows += rows.num_tokens - bulk
+        c.mixed_steps += int(rows.decodes > 0)
+        if c.bulk_steps % log_every() == 0:
+            log.info("%s", c.line())
+
+    def after_step(self) -> None:
+        """Warn once if a long prompt ran with zero bulk rows."""
+        why = self.classifier.inert
+        if why and not self.warned_inert:
+            self.warned_inert = True
+            log.warning("RidgeFill is inert: %s", why)
+
+
+def _log_at_exit(state: ServeState) -> None:
+    log.info("%s (at exit)", state.counters.line())
+
 
 ATTENTION_IMPLS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")  # backend.py builds their metadata
-
-
-def unsupported(vllm_config) -> str | None:
-    """Why this engine cannot serve maps (then it serves stock), or None."""
-    mc, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    cfg = mc.hf_config
-    if mc.quantization:
-        return f"quantized checkpoints ({mc.quantization}) are not supported: bulk K/V come from raw k/v weights"
-    if par.pipeline_parallel_size > 1:
-        return "pipeline parallel serving is not supported"
-    if getattr(par, "decode_context_parallel_size", 1) > 1:
-        return "decode context parallel serving is not supported"
-    if getattr(mc, "runner_type", "generate") != "generate":
-        return f"the {mc.runner_type} runner is not supported"
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return "speculative decoding is not supported (drafts read every row's hidden state)"
-    if getattr(vllm_config, "lora_config", None) is not None:
-        return "LoRA is not supported (bulk K/V come from the base k/v weights)"
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        return "KV connectors are not supported (they would move filled blocks as exact ones)"
-    if str(getattr(cache, "cache_dtype", "auto")) != "auto":
-        return f"KV cache dtype {cache.cache_dtype} is not supported: serve with the model's dtype"
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        return "sliding-window attention is not supported"
-    return None
-
-
-def maps_path(cfg) -> str | None:
-    """The map folder a RidgeFill class of this config serves: `ridgefill_maps` or RIDGEFILL_MAPS."""
-    if not any(a.startswith("RidgeFill") for a in cfg.architectures or []) and not os.environ.get("RIDGEFILL_MAPS"):
-        return None
-    return getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
-
-
-def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
-    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults; ValueError if invalid."""
-    d = manifest["defaults"]
-    sink = _option(cfg, "sink", int(d["sink"]))
-    tail = _option(cfg, "tail", int(d["tail"]))
-    share = _option(cfg, "share", float(d["share"]))
-    mode = _option(cfg, "mode", "ridge")
-    if sink < 0 or tail < 1:
-        raise ValueError(f"ridgefill_sink must be >= 0 and ridgefill_tail >= 1 (got {sink}, {tail})")
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"ridgefill_share must lie in [0, 1] (got {share})")
-    if mode not in ("ridge", "plumb"):
-        raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
-    return sink, tail, share, mode
-
-
-def _option(cfg, name: str, default):
-    value = getattr(cfg, f"ridgefill_{name}", None)
-    if value is None:
-        return default
-    try:
-        return type(default)(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"ridgefill_{name} must be a {type(default).__name__} (got {value!r})") from None
 
 
 def kv_shard(t: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
@@ -129,12 +120,11 @@ class RidgeFillMixin:
         self._rf_pending: tuple[MapSet, dict] | None = None  # maps and the fingerprint so far
         mc = vllm_config.model_config
         cfg = mc.hf_config
-        prefix_cache.model_built_here()
         path = maps_path(cfg)
         if not path:
             log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
             return
-        why = unsupported(vllm_config)
+        why = PATCHES.why_not() or unsupported(vllm_config)
         if why:
             log.warning("RidgeFill: %s; serving stock", why)
             return
@@ -151,9 +141,6 @@ class RidgeFillMixin:
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
-        graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-        if not mc.enforce_eager and graphs is not None and graphs.name != "NONE":
-            log.warning("RidgeFill: CUDA graphs (%s) are untested with RidgeFill; --enforce-eager is safe", graphs.name)
         self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self._rf_pending = (maps, fp)
         self._rf_cfg = cfg
@@ -206,10 +193,7 @@ class RidgeFillMixin:
         sink, tail, share, mode = self._rf_options
         classifier = RowClassifier(sink, tail, share, maps.scores)
         self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
-        if self._rf_prefix_caching:  # filled blocks are salted and never reused by protected rows
-            prefix_cache.activate(
-                prefix_cache.policy_for(maps.manifest, sink, tail, share, mode, lambda: state.enabled)
-            )
+        atexit.register(_log_at_exit, state)
         log.info(
             "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s, prefix caching %s",
             cfg.architectures[0],
@@ -230,6 +214,7 @@ class RidgeFillMixin:
         rows = st.rows if st is not None else None
         if rows is None or not st.enabled or not rows.any_bulk or input_ids is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        st.record(rows)
         return self._ridgefill_forward(input_ids, positions, st, rows)
 
     # --- the RidgeFill forward -----------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from ridgefill.vllm_plugin import ARCHS
+from ridgefill.vllm_plugin.config import ARCHS, serve_dtype
 
 
 def make_llm(
@@ -21,7 +21,7 @@ def make_llm(
     *,
     chunk: int | None = None,
     max_model_len: int = 4096,
-    dtype: str = "float32",
+    dtype: str | None = None,
     options: dict | None = None,
     kv_space_gib: int = 2,
     prefix_caching: bool = False,
@@ -31,7 +31,10 @@ def make_llm(
     gpu_memory_utilization: float | None = None,
     enforce_eager: bool = True,
 ):
-    """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them."""
+    """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them.
+    `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU)."""
+    import torch
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
     from transformers import AutoConfig
@@ -46,7 +49,7 @@ def make_llm(
         }
     return LLM(
         model=model,
-        dtype=dtype,
+        dtype=dtype or serve_dtype(model, torch.cuda.is_available()),
         enforce_eager=enforce_eager,
         max_model_len=max_model_len,
         seed=0,
@@ -61,9 +64,30 @@ def make_llm(
     )
 
 
+def runner_of(llm):
+    """The model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def hooked_runner(llm) -> bool:
+    """The engine's model runner is vLLM's V1 runner, whose `_model_forward` RidgeFill hooks."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ridgefill.vllm_plugin.patches import PATCHES
+
+    return isinstance(runner_of(llm), GPUModelRunner) and PATCHES.hooked("GPUModelRunner._model_forward")
+
+
 def served_model(llm):
     """The model object of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return runner_of(llm).model
+
+
+def counters(llm) -> dict[str, int] | None:
+    """The RidgeFill counters of an in-process engine (None if it serves no maps): steps with bulk rows,
+    bulk rows filled, protected rows run."""
+    state = getattr(served_model(llm), "ridgefill", None)
+    return None if state is None else state.counters.as_dict()
 
 
 def ttft_engine(llm):
@@ -81,11 +105,22 @@ def ttft_engine(llm):
         if plan.mode not in ("exact", state.mode):
             raise ValueError(f"this engine serves {state.mode!r} (or exact), not {plan.mode!r}")
         state.enabled = plan.mode != "exact"
+        before = state.counters.bulk_steps
         t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids[0].tolist())], params, use_tqdm=False)
-        return time.perf_counter() - t
+        took = time.perf_counter() - t
+        if state.enabled and state.counters.bulk_steps == before and ids.shape[1] > tail_of(state):
+            raise RuntimeError(f"RidgeFill is inert: a {ids.shape[1]}-token prompt filled no bulk rows")
+        if not state.enabled and state.counters.bulk_steps != before:
+            raise RuntimeError("an exact TTFT request filled bulk rows")
+        return took
 
     return run
+
+
+def tail_of(state) -> int:
+    """Prompt tokens always run exact (sink + tail): a prompt no longer than this has no bulk rows."""
+    return state.classifier.sink + state.classifier.tail
 
 
 def run_case(case: dict) -> dict:
@@ -102,6 +137,7 @@ def run_case(case: dict) -> dict:
         block_size=case.get("block_size"),
         tensor_parallel_size=case.get("tp", 1),
         enforce_eager=case.get("enforce_eager", True),
+        dtype=case.get("dtype"),
     )
     params = SamplingParams(
         temperature=0.0,
@@ -118,13 +154,20 @@ def run_case(case: dict) -> dict:
     wall = time.perf_counter() - t
     try:
         active = getattr(served_model(llm), "ridgefill", None) is not None
+        count = counters(llm)
     except AttributeError:  # the model runs in worker processes (tensor parallel): see the log
-        active = None
+        active = count = None
     results = []
     for o in outs:
         c = o.outputs[0]
         first = {int(t): float(lp.logprob) for t, lp in c.logprobs[0].items()} if c.logprobs else {}
-        result = {"tokens": list(c.token_ids), "first_logprobs": first, "cached_tokens": o.num_cached_tokens}
+        chosen = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [], strict=False)]
+        result = {
+            "tokens": list(c.token_ids),
+            "first_logprobs": first,
+            "token_logprobs": chosen,  # each generated token's own logprob
+            "cached_tokens": o.num_cached_tokens,
+        }
         if o.prompt_logprobs is not None:  # each prompt token's own logprob (none for the first)
             ids = o.prompt_token_ids
             result["prompt_logprobs"] = [float(d[ids[i]].logprob) for i, d in enumerate(o.prompt_logprobs) if d]
@@ -132,7 +175,14 @@ def run_case(case: dict) -> dict:
     core = getattr(llm.llm_engine, "engine_core", None)
     scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
     caching = getattr(getattr(scheduler, "kv_cache_manager", None), "enable_caching", None)
-    return {"results": results, "wall_s": wall, "ridgefill_active": active, "prefix_caching": caching}
+    return {
+        "results": results,
+        "wall_s": wall,
+        "ridgefill_active": active,
+        "counters": count,
+        "prefix_caching": caching,
+        "runner_v1": hooked_runner(llm) if active is not None else None,
+    }
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ prompt logprobs run stock (every row needs its logits) and cache like stock ones
 prompt grows, so its rows' classes are not final and it neither stores nor reuses blocks. With a share above 0 a
 row's class depends on the whole prompt, so RidgeFill requests then neither store nor reuse blocks.
 
-The policy is registered by the model when it loads its maps, which the scheduler sees when the model
-runs in its process (one device). When the model runs in other processes (tensor parallel), the
-scheduler derives the same policy from the engine's config and the folder's manifest.
+Each engine gets its own policy when it starts (`engine_policy`, applied by `patches.py`): from the
+model when it runs in the engine's process (one device), else (tensor parallel) from the engine's config
+and the folder's manifest, which give the same policy.
 """
 
 from __future__ import annotations
@@ -55,94 +55,45 @@ def policy_for(manifest: dict, sink: int, tail: int, share: float, mode: str, en
 
 
 def policy_from_config(vllm_config) -> CachePolicy | None:
-    """The policy for an engine whose model runs in other processes; None if it serves no maps."""
+    """The policy an engine's config and its folder's manifest imply; None if it serves no maps."""
     from ridgefill.maps import read_manifest
-    from ridgefill.vllm_plugin.model import maps_path, serve_options, unsupported
+    from ridgefill.vllm_plugin.config import maps_path, requested, serve_options, unsupported
 
-    cfg = vllm_config.model_config.hf_config
-    path = maps_path(cfg)
-    if not path or not vllm_config.cache_config.enable_prefix_caching or unsupported(vllm_config):
+    mc = vllm_config.model_config
+    if not requested(mc) or not vllm_config.cache_config.enable_prefix_caching or unsupported(vllm_config):
+        return None
+    path = maps_path(mc.hf_config)
+    if not path:
         return None
     try:
         manifest = read_manifest(Path(path))
-        sink, tail, share, mode = serve_options(cfg, manifest)
+        sink, tail, share, mode = serve_options(mc.hf_config, manifest)
     except (OSError, ValueError):  # MapError too: the model refuses the folder as well, and serves stock
         return None
     return policy_for(manifest, sink, tail, share, mode, lambda: True)
 
 
-_policy: CachePolicy | None = None
-_model_here = False  # a RidgeFill model was built in this process: its word is the policy
-_patched = False
+def engine_policy(vllm_config, model=None) -> CachePolicy | None:
+    """The policy of one engine. Where the model runs in the engine's process its word holds (it may have
+    refused its folder, and it may be switched off per request batch); else the config's."""
+    if model is None:
+        return policy_from_config(vllm_config)
+    state = getattr(model, "ridgefill", None)
+    if state is None or not vllm_config.cache_config.enable_prefix_caching:
+        return None
+    c = state.classifier
+    return policy_for(state.maps.manifest, c.sink, c.tail, c.share, state.mode, lambda: state.enabled)
 
 
-def activate(policy: CachePolicy | None) -> None:
-    """Register the served model's policy (None: every request is stock)."""
-    global _policy
-    _policy = policy
+def request_cap(policy: CachePolicy | None, request) -> int | None:
+    """Tokens of an incoming request (vLLM's EngineCoreRequest) that may be cached or reused; None: stock."""
+    ids, params = request.prompt_token_ids, request.sampling_params
+    if ids is None or policy is None or (params is not None and params.prompt_logprobs is not None):
+        return None
+    if getattr(request, "resumable", False):  # a streamed prompt grows: its rows' classes are not final
+        return 0 if policy.enabled() else None
+    return policy.cap(len(ids))
 
 
-def model_built_here() -> None:
-    global _model_here
-    _model_here = True
-
-
-def _salt(user_salt: str | None, tag: str) -> str:
+def salt(user_salt: str | None, tag: str) -> str:
     return f"{user_salt}|{tag}" if user_salt else tag
-
-
-def patch_scheduler() -> None:
-    """Patch request hashing, cache lookup and block caching (pass-throughs for stock requests), once."""
-    global _patched
-    if _patched:
-        return
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
-
-    make_request = Request.from_engine_core_request.__func__
-    get_computed_blocks = KVCacheManager.get_computed_blocks
-    cache_blocks = KVCacheCoordinator.cache_blocks
-    scheduler_init = Scheduler.__init__
-
-    def init_scheduler(self, vllm_config, *args, **kwargs):
-        scheduler_init(self, vllm_config, *args, **kwargs)
-        if not _model_here:  # the model runs in worker processes: derive its policy from the config
-            activate(policy_from_config(vllm_config))
-
-    def from_engine_core_request(cls, request, block_hasher):
-        ids, params = request.prompt_token_ids, request.sampling_params
-        stock = ids is None or _policy is None or (params is not None and params.prompt_logprobs is not None)
-        if stock:
-            cap = None
-        elif getattr(request, "resumable", False):  # a streamed prompt grows: its rows' classes are not final
-            cap = 0 if _policy.enabled() else None
-        else:
-            cap = _policy.cap(len(ids))
-        if cap is not None:  # salt before the block hashes are computed
-            request.cache_salt = _salt(request.cache_salt, _policy.tag)
-        req = make_request(cls, request, block_hasher)
-        setattr(req, CAP, cap)
-        return req
-
-    def capped_get_computed_blocks(self, request):
-        cap = getattr(request, CAP, None)
-        if cap is None:
-            return get_computed_blocks(self, request)
-        if cap <= 0 or not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0
-        blocks, hit, _ = self.coordinator.find_longest_cache_hit(request.block_hashes, min(cap, request.num_tokens - 1))
-        if hit and self.enable_kv_cache_events and getattr(request, "kv_cache_report_mode", "") == "full":
-            self.coordinator.emit_cached_block_events(request, blocks)  # as the stock lookup does
-        return self.create_kv_cache_blocks(blocks), hit, 0
-
-    def capped_cache_blocks(self, request, num_computed_tokens: int) -> None:
-        cap = getattr(request, CAP, None)
-        cache_blocks(self, request, num_computed_tokens if cap is None else min(num_computed_tokens, cap))
-
-    Request.from_engine_core_request = classmethod(from_engine_core_request)
-    KVCacheManager.get_computed_blocks = capped_get_computed_blocks
-    KVCacheCoordinator.cache_blocks = capped_cache_blocks
-    Scheduler.__init__ = init_scheduler
-    _patched = True

@@ -1,0 +1,107 @@
+"""What an engine's config asks of RidgeFill, and whether RidgeFill can serve it (plain functions).
+
+The model (in its worker) and the scheduler (in the engine process) both decide from these, so both
+sides of an engine agree on whether RidgeFill serves and with which options, whichever process they run in.
+"""
+
+from __future__ import annotations
+
+import os
+
+ARCHS = {
+    "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
+    "Qwen2ForCausalLM": "RidgeFillQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "RidgeFillQwen3ForCausalLM",
+}
+V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def maps_path(cfg) -> str | None:
+    """The map folder a RidgeFill class of this config serves: `ridgefill_maps` or RIDGEFILL_MAPS."""
+    if not any(a.startswith("RidgeFill") for a in cfg.architectures or []) and not os.environ.get("RIDGEFILL_MAPS"):
+        return None
+    return getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
+
+
+def requested(model_config) -> bool:
+    """RidgeFill is switched on for this model: a RidgeFill architecture, or RIDGEFILL_MAPS on a served family."""
+    if model_config is None:
+        return False
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if any(a in ARCHS.values() for a in archs):
+        return True
+    return bool(os.environ.get("RIDGEFILL_MAPS")) and any(a in ARCHS for a in archs)
+
+
+def unsupported(vllm_config) -> str | None:
+    """Why this engine cannot serve maps (then it serves stock), or None."""
+    mc, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    cfg = mc.hf_config
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return (
+            f"Model Runner V2 is selected ({V2_VARIABLE}={os.environ.get(V2_VARIABLE, '<unset>')}, or a feature "
+            f"that needs it) and RidgeFill hooks the V1 runner; unset {V2_VARIABLE} or set it to 0"
+        )
+    if getattr(par, "enable_dbo", False) or getattr(par, "ubatch_size", 0) > 1:
+        return (
+            "micro-batching (DBO / ubatch_size > 1) is not supported: the model runs once per micro-batch "
+            "while rows are classified for the whole step; drop --enable-dbo / --ubatch-size"
+        )
+    if mc.quantization:
+        return f"quantized checkpoints ({mc.quantization}) are not supported: bulk K/V come from raw k/v weights"
+    if par.pipeline_parallel_size > 1:
+        return "pipeline parallel serving is not supported"
+    if getattr(par, "decode_context_parallel_size", 1) > 1:
+        return "decode context parallel serving is not supported"
+    if getattr(mc, "runner_type", "generate") != "generate":
+        return f"the {mc.runner_type} runner is not supported"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding is not supported (drafts read every row's hidden state)"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA is not supported (bulk K/V come from the base k/v weights)"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "KV connectors are not supported (they would move filled blocks as exact ones)"
+    if str(getattr(cache, "cache_dtype", "auto")) != "auto":
+        return f"KV cache dtype {cache.cache_dtype} is not supported: serve with the model's dtype"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention is not supported"
+    return None
+
+
+def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
+    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults; ValueError if invalid."""
+    d = manifest["defaults"]
+    sink = _option(cfg, "sink", int(d["sink"]))
+    tail = _option(cfg, "tail", int(d["tail"]))
+    share = _option(cfg, "share", float(d["share"]))
+    mode = _option(cfg, "mode", "ridge")
+    if sink < 0 or tail < 1:
+        raise ValueError(f"ridgefill_sink must be >= 0 and ridgefill_tail >= 1 (got {sink}, {tail})")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"ridgefill_share must lie in [0, 1] (got {share})")
+    if mode not in ("ridge", "plumb"):
+        raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
+    return sink, tail, share, mode
+
+
+def _option(cfg, name: str, default):
+    value = getattr(cfg, f"ridgefill_{name}", None)
+    if value is None:
+        return default
+    try:
+        return type(default)(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ridgefill_{name} must be a {type(default).__name__} (got {value!r})") from None
+
+
+def serve_dtype(model_dir: str, cuda: bool) -> str:
+    """The engine dtype the offline and TTFT helpers use when not told: the model's own half precision on
+    CUDA (bf16 for a float32 checkpoint: FlashAttention serves fp16/bf16 only), float32 on the CPU (the
+    reference runtime the CPU tests compare against runs in float32)."""
+    if not cuda:
+        return "float32"
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    dtype = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "")
+    return "float16" if dtype.endswith("float16") and "bfloat" not in dtype else "bfloat16"
