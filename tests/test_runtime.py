@@ -157,7 +157,11 @@ def test_question_attention_equals_eager_attention(tokenizer, essay_text):
     for layer in (0, 3):
         want = out.attentions[layer][0, :, -8:, :].sum(dim=(0, 1))
         got = _question_attention(
-            ad, ad.layers[layer], out.hidden_states[layer][:, -8:], cos[:, -8:], sin[:, -8:],
+            ad,
+            ad.layers[layer],
+            out.hidden_states[layer][:, -8:],
+            cos[:, -8:],
+            sin[:, -8:],
             out.past_key_values.layers[layer].keys,
         )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
