@@ -29,7 +29,7 @@ from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
-from ridgefill.runtime import FillPlan, Prefill, generate
+from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate
 from ridgefill.steps import load_model
 
 PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
@@ -74,10 +74,11 @@ def fraction_protected(keep: torch.Tensor, spans: list[tuple[int, int]]) -> floa
     return float(keep[rows].float().mean()) if rows else None
 
 
-def score_one(model, tok, x, plan: FillPlan) -> dict:
+def score_one(model, tok, x, plan: FillPlan, early: EarlyPass | None = None) -> dict:
     kept: list[Prefill] = []
     t0 = time.perf_counter()
-    new = generate(model, torch.tensor([x.input_ids]), plan, x.max_new_tokens, on_prefill=kept.append)
+    ids = torch.tensor([x.input_ids])
+    new = generate(model, ids, plan, x.max_new_tokens, on_prefill=kept.append, early=early)
     seconds = time.perf_counter() - t0
     text = tok.decode(new[0], skip_special_tokens=True)
     keep = kept[0].protected
@@ -148,6 +149,7 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
             for task, batch in batches.items():
                 x = batch[index]
                 region = region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail)
+                early = None  # layers 0..S-1 of the prompt's head, run once for every non-exact plan
                 for name, plan in plans.items():
                     cfg = plan_config(plan)
                     if (name, task, length, index, json.dumps(cfg)) in done:
@@ -156,7 +158,10 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                     if name == "exact" and key in cache:
                         out = cache[key]
                     else:
-                        out = score_one(model, tok, x, plan)
+                        if name != "exact" and early is None:
+                            head = torch.tensor([x.input_ids[:-1]])
+                            early = early_pass(model, head, plan.split, args.query, args.score_layers)
+                        out = score_one(model, tok, x, plan, None if name == "exact" else early)
                         if name == "exact":
                             cache[key] = out
                             args.exact_cache.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,19 @@ class FillPlan:
 
 
 @dataclass
+class EarlyPass:
+    """Layers 0..S-1 of one prompt, shared by plans of the same split (they are exact in every plan)."""
+
+    split: int
+    hidden: Tensor  # [1, n, d] the split stream
+    kv: list[tuple[Tensor, Tensor]]  # K, V of layers 0..S-1
+    cos: Tensor
+    sin: Tensor
+    inputs_q: dict[int, Tensor]  # layer -> its input rows [1, q_max, d] at the end of the prompt
+    input_ids: Tensor
+
+
+@dataclass
 class Prefill:
     cache: DynamicCache
     logits: Tensor  # [vocab] logits of the last prompt row
@@ -95,8 +108,11 @@ def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None =
 
 
 @torch.inference_mode()
-def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan) -> Prefill:
-    """Prefill one prompt [1, n] into a fresh cache and return the last row's logits."""
+def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, early: EarlyPass | None = None) -> Prefill:
+    """Prefill one prompt [1, n] into a fresh cache and return the last row's logits.
+
+    `early` (from `early_pass` on the same prompt and split) skips re-running the exact early layers.
+    """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("prefill takes one prompt shaped [1, n]")
     late_choice = plan.select == "question" and plan.share > 0
@@ -104,28 +120,60 @@ def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan) -> Prefill:
     if plan.mode == "exact" or bool(keep.all()):
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         return Prefill(out.past_key_values, out.logits[0, -1], torch.ones_like(keep))
-    return _ridgefill(model, input_ids, plan, None if late_choice else keep)
+    return _ridgefill(model, input_ids, plan, None if late_choice else keep, early)
 
 
-def _ridgefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor | None) -> Prefill:
-    """RidgeFill prefill; `keep` None means: choose the protected rows from the early pass's attention."""
+@torch.inference_mode()
+def early_pass(model: nn.Module, input_ids: Tensor, split: int, query: int = 64, score_layers: int = 6) -> EarlyPass:
+    """Run layers 0..split-1 on every row of one prompt [1, n]; keep what late layers and selectors need.
+
+    Plans of this split (and `query` / `score_layers` no larger than given) can then prefill from it
+    with `prefill(..., early=...)`, paying the early layers once (e.g. when several plans are compared).
+    """
     ad = adapter_for(model)
-    if not 0 < plan.split < ad.num_layers:
-        raise ValueError(f"split must lie in 1..{ad.num_layers - 1}, got {plan.split}")
+    if not 0 < split < ad.num_layers:
+        raise ValueError(f"split must lie in 1..{ad.num_layers - 1}, got {split}")
     n = input_ids.shape[1]
     pos = torch.arange(n, device=input_ids.device)
     cache = DynamicCache(config=model.config)
     h = ad.embed(input_ids)
     cos, sin = ad.rotary(h, pos)
-    q = min(plan.query, n)
-    attention = torch.zeros(n, device=input_ids.device)
-    for idx, layer in enumerate(ad.layers[: plan.split]):
-        h_in = h
+    q = min(query, n)
+    inputs_q = {}
+    for idx, layer in enumerate(ad.layers[:split]):
+        if idx >= split - score_layers:
+            inputs_q[idx] = h[:, n - q :]
         h = layer(h, position_embeddings=(cos, sin), position_ids=pos[None], past_key_values=cache, use_cache=True)
-        if keep is None and idx >= plan.split - plan.score_layers:
-            k = cache.layers[idx].keys
-            attention += _question_attention(ad, layer, h_in[:, n - q :], cos[:, n - q :], sin[:, n - q :], k)
+    kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(split)]
+    return EarlyPass(split, h, kv, cos, sin, inputs_q, input_ids)
+
+
+def _ridgefill(
+    model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor | None, early: EarlyPass | None = None
+) -> Prefill:
+    """RidgeFill prefill; `keep` None means: choose the protected rows from the early pass's attention."""
+    ad = adapter_for(model)
+    n = input_ids.shape[1]
+    pos = torch.arange(n, device=input_ids.device)
+    if early is None:
+        early = early_pass(model, input_ids, plan.split, plan.query if keep is None else 1, plan.score_layers)
+    elif early.split != plan.split or not torch.equal(early.input_ids, input_ids):
+        raise ValueError("the early pass is of another prompt or split")
+    cache = DynamicCache(config=model.config)
+    for idx, (k, v) in enumerate(early.kv):
+        cache.update(k, v, idx)  # shared tensors: the cache only ever concatenates onto them
+    h, cos, sin = early.hidden, early.cos, early.sin
     if keep is None:
+        attention = torch.zeros(n, device=input_ids.device)
+        for idx in range(plan.split - plan.score_layers, plan.split):
+            h_in = early.inputs_q.get(idx)
+            if h_in is None or h_in.shape[1] < min(plan.query, n):
+                raise ValueError("the early pass kept too few query rows or layers for this plan")
+            h_q = h_in[:, h_in.shape[1] - min(plan.query, n) :]
+            q = h_q.shape[1]
+            attention += _question_attention(
+                ad, ad.layers[idx], h_q, cos[:, n - q :], sin[:, n - q :], early.kv[idx][0]
+            )
         keep = protected_rows(input_ids, plan, attention)
 
     prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
@@ -183,20 +231,22 @@ def generate(
     plan: FillPlan,
     max_new_tokens: int,
     on_prefill: Callable[[Prefill], None] | None = None,
+    early: EarlyPass | None = None,
     **kwargs,
 ) -> Tensor:
     """Greedy-decode after a RidgeFill prefill; returns the new token ids [1, m].
 
     All rows but the last are prefilled with RidgeFill (the last row is protected anyway); the stock
     model then runs the last prompt row over that cache, and every decode step, with `generate`.
-    `on_prefill` sees the prefill of those rows (e.g. to record which rows were protected).
+    `on_prefill` sees the prefill of those rows (e.g. to record which rows were protected); `early` is
+    an `early_pass` of those rows (`input_ids[:, :-1]`), shared between plans of one split.
     """
     n = input_ids.shape[1]
     if n < 2:
         raise ValueError("a prompt needs at least two tokens")
     head = input_ids[:, :-1]
     plan_head = replace(plan, tail=max(1, plan.tail - 1))
-    pre = prefill(model, head, plan_head)
+    pre = prefill(model, head, plan_head, early)
     if on_prefill is not None:
         on_prefill(pre)
     cache = pre.cache

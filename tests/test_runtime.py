@@ -209,3 +209,19 @@ def test_question_protects_a_planted_needle_smollm2(smollm2):
             share.append(prefill(model, ids, plan).protected[start:end].float().mean().item())
     assert min(kept["question"]) >= 0.75 and sum(kept["question"]) / len(samples) >= 0.9, kept
     assert max(kept["random"]) < 0.5, kept
+
+
+def test_shared_early_pass_equals_its_own(tiny_models, tokenizer, essay_text):
+    """Plans of one split prefilled from one `early_pass` equal each plan's own prefill, decode included."""
+    from ridgefill.runtime import early_pass
+
+    model = tiny_models["qwen2"]
+    ids = _ids(tokenizer, essay_text, 200)
+    early = early_pass(model, ids[:, :-1], split=3, query=16, score_layers=2)
+    for select in ("question", "random"):
+        plan = FillPlan("identity", split=3, sink=4, tail=16, share=0.2, select=select, query=16, score_layers=2)
+        want = generate(model, ids, plan, 6)
+        assert torch.equal(generate(model, ids, plan, 6, early=early), want)
+        assert torch.equal(generate(model, ids, plan, 6, early=early), want)  # the shared pass is not altered
+    with pytest.raises(ValueError, match="too few query rows"):
+        generate(model, ids, FillPlan("identity", 3, None, 4, 16, 0.2, "question", query=32), 2, early=early)
