@@ -1,27 +1,67 @@
 """Which prompt rows are protected (run the whole model) and which are bulk (filled from a map).
 
 Shared by every runtime so that they agree row for row: the first `sink` rows, the last `tail` rows,
-and the `share` of the remaining rows whose tokens score highest (ties go to the earlier row).
+and a `share` of the remaining rows chosen by a selector:
+- "rarity": the rows whose tokens score highest in the map folder's token table;
+- "question": the rows the question (the last prompt rows) attends to most in exact layers below the
+  split, max-pooled over a small window so that a whole fact is kept, not one token of it;
+- "random": a seeded random choice, the baseline the other two must beat.
+Ties go to the earlier row.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+Select = Literal["rarity", "question", "random"]
+SELECTS: tuple[str, ...] = ("rarity", "question", "random")
+
+
+def edge_rows(n: int, sink: int, tail: int, device: torch.device | str = "cpu") -> Tensor:
+    """Bool [n]: the first `sink` and the last `tail` rows."""
+    keep = torch.zeros(n, dtype=torch.bool, device=device)
+    keep[:sink] = True
+    keep[max(0, n - tail) :] = True
+    return keep
+
+
+def protect_top(keep: Tensor, row_scores: Tensor, share: float) -> Tensor:
+    """`keep` plus the top `share` of the other rows by `row_scores` [n] (ties: the earlier row)."""
+    bulk = (~keep).nonzero().squeeze(-1)
+    k = int(round(share * bulk.numel()))
+    out = keep.clone()
+    if k > 0:
+        order = torch.sort(row_scores.to(keep.device)[bulk], descending=True, stable=True).indices
+        out[bulk[order[:k]]] = True
+    return out
 
 
 def protected_mask(token_ids: Tensor, sink: int, tail: int, share: float, scores: Tensor | None) -> Tensor:
-    """Bool [n] for one prompt's token ids [n]."""
-    n = token_ids.shape[-1]
-    keep = torch.zeros(n, dtype=torch.bool, device=token_ids.device)
-    keep[:sink] = True
-    keep[max(0, n - tail) :] = True
-    bulk = (~keep).nonzero().squeeze(-1)
-    k = int(round(share * bulk.numel()))
-    if k > 0:
-        if scores is None:
-            raise ValueError("a share of protected rows needs the token score table of a map folder")
-        row_scores = scores.to(token_ids.device)[token_ids[bulk]]
-        order = torch.sort(row_scores, descending=True, stable=True).indices
-        keep[bulk[order[:k]]] = True
-    return keep
+    """Bool [n] for one prompt's token ids [n], the share chosen by token score (the "rarity" selector)."""
+    keep = edge_rows(token_ids.shape[-1], sink, tail, token_ids.device)
+    if int(round(share * int((~keep).sum()))) == 0:
+        return keep
+    if scores is None:
+        raise ValueError("a share of protected rows needs the token score table of a map folder")
+    return protect_top(keep, scores.to(token_ids.device)[token_ids], share)
+
+
+def random_scores(n: int, seed: int = 0) -> Tensor:
+    """Float [n] uniform scores from a fixed seed: the same rows for every prompt of length n."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed))
+
+
+def pooled(attention: Tensor, keep: Tensor, window: int) -> Tensor:
+    """Row scores for the "question" selector: attention [n] with `keep` rows zeroed, max-pooled +-window.
+
+    Zeroing the rows that are protected anyway (sink, question) stops their large self-attention from
+    spilling onto neighbouring bulk rows.
+    """
+    a = attention.float().masked_fill(keep.to(attention.device), 0.0)
+    if window <= 0:
+        return a
+    return F.max_pool1d(a[None, None], 2 * window + 1, stride=1, padding=window)[0, 0]

@@ -2,12 +2,18 @@
 
 Layers 0..S-1 run exactly on every row. In each late layer l >= S, bulk rows write K/V from a
 predicted input (ridge map of the split stream, identity fill, or, in `plumb` mode, the exact input),
-and never run the attention output or the MLP. Protected rows (sink, tail, score-selected share) run
+and never run the attention output or the MLP. Protected rows (sink, tail, a selected share) run
 the whole layer against all K/V. The result is an ordinary `DynamicCache`.
+
+Because the whole prompt is prefilled in one pass, layers 0..S-1 are exact for every row before any
+late layer runs, so the question at the end of the prompt can choose the protected share (select
+"question"): the attention its last `query` rows pay each row in the `score_layers` layers below the
+split, computed for those query rows only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -16,8 +22,9 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from ridgefill.adapters import adapter_for
+from ridgefill.adapters.base import rope
 from ridgefill.maps import MapSet
-from ridgefill.rows import protected_mask
+from ridgefill.rows import SELECTS, Select, edge_rows, pooled, protect_top, protected_mask, random_scores
 
 Mode = Literal["exact", "plumb", "identity", "ridge"]
 MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
@@ -25,7 +32,12 @@ MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
 
 @dataclass
 class FillPlan:
-    """How to prefill: the mode, split and protected-row policy (maps only for `ridge`)."""
+    """How to prefill: the mode, split and protected-row policy (maps only for `ridge`).
+
+    `select` chooses the protected share (see `ridgefill.rows`); `query`, `window` and `score_layers`
+    shape the "question" selector: query rows at the end of the prompt, max-pool half-width, and how
+    many exact layers just below the split are summed.
+    """
 
     mode: Mode = "exact"
     split: int = 0
@@ -33,6 +45,10 @@ class FillPlan:
     sink: int = 4
     tail: int = 256
     share: float = 0.0
+    select: Select = "rarity"
+    query: int = 32
+    window: int = 4
+    score_layers: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -45,6 +61,23 @@ class FillPlan:
             raise ValueError(f"share must lie in [0, 1], got {self.share}")
         if self.sink < 0 or self.tail < 1:
             raise ValueError("sink must be >= 0 and tail >= 1 (the last prompt row is always exact)")
+        if self.select not in SELECTS:
+            raise ValueError(f"select must be one of {SELECTS}, got {self.select!r}")
+        if self.query < 1 or self.window < 0 or self.score_layers < 1:
+            raise ValueError("question rows need query >= 1, window >= 0 and score_layers >= 1")
+
+
+@dataclass
+class EarlyPass:
+    """Layers 0..S-1 of one prompt, shared by plans of the same split (they are exact in every plan)."""
+
+    split: int
+    hidden: Tensor  # [1, n, d] the split stream
+    kv: list[tuple[Tensor, Tensor]]  # K, V of layers 0..S-1
+    cos: Tensor
+    sin: Tensor
+    inputs_q: dict[int, Tensor]  # layer -> its input rows [1, q_max, d] at the end of the prompt
+    input_ids: Tensor
 
 
 @dataclass
@@ -54,35 +87,94 @@ class Prefill:
     protected: Tensor  # [n] bool, True for rows that ran the whole model
 
 
-def protected_rows(input_ids: Tensor, plan: FillPlan) -> Tensor:
-    """Bool [n]: sink rows, the last `tail` rows, and the top `share` of the rest by token score."""
-    scores = plan.maps.scores if plan.maps is not None else None
-    return protected_mask(input_ids[0], plan.sink, plan.tail, plan.share, scores)
+def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None = None) -> Tensor:
+    """Bool [n]: sink rows, the last `tail` rows, and the top `share` of the rest by the plan's selector.
+
+    The "question" selector needs `attention` [n], the question's attention to each row from the exact
+    early layers (`prefill` computes it in its own pass).
+    """
+    ids = input_ids[0]
+    if plan.select == "rarity":
+        scores = plan.maps.scores if plan.maps is not None else None
+        return protected_mask(ids, plan.sink, plan.tail, plan.share, scores)
+    keep = edge_rows(ids.shape[-1], plan.sink, plan.tail, ids.device)
+    if plan.share == 0:
+        return keep
+    if plan.select == "random":
+        return protect_top(keep, random_scores(ids.shape[-1]), plan.share)
+    if attention is None:
+        raise ValueError("question-aware rows need the early layers' attention; call prefill")
+    return protect_top(keep, pooled(attention, keep, plan.window), plan.share)
 
 
 @torch.inference_mode()
-def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan) -> Prefill:
-    """Prefill one prompt [1, n] into a fresh cache and return the last row's logits."""
+def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, early: EarlyPass | None = None) -> Prefill:
+    """Prefill one prompt [1, n] into a fresh cache and return the last row's logits.
+
+    `early` (from `early_pass` on the same prompt and split) skips re-running the exact early layers.
+    """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("prefill takes one prompt shaped [1, n]")
-    keep = protected_rows(input_ids, plan)
+    late_choice = plan.select == "question" and plan.share > 0
+    keep = edge_rows(input_ids.shape[1], plan.sink, plan.tail) if late_choice else protected_rows(input_ids, plan)
     if plan.mode == "exact" or bool(keep.all()):
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         return Prefill(out.past_key_values, out.logits[0, -1], torch.ones_like(keep))
-    return _ridgefill(model, input_ids, plan, keep)
+    return _ridgefill(model, input_ids, plan, None if late_choice else keep, early)
 
 
-def _ridgefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor) -> Prefill:
+@torch.inference_mode()
+def early_pass(model: nn.Module, input_ids: Tensor, split: int, query: int = 64, score_layers: int = 6) -> EarlyPass:
+    """Run layers 0..split-1 on every row of one prompt [1, n]; keep what late layers and selectors need.
+
+    Plans of this split (and `query` / `score_layers` no larger than given) can then prefill from it
+    with `prefill(..., early=...)`, paying the early layers once (e.g. when several plans are compared).
+    """
     ad = adapter_for(model)
-    if not 0 < plan.split < ad.num_layers:
-        raise ValueError(f"split must lie in 1..{ad.num_layers - 1}, got {plan.split}")
+    if not 0 < split < ad.num_layers:
+        raise ValueError(f"split must lie in 1..{ad.num_layers - 1}, got {split}")
     n = input_ids.shape[1]
     pos = torch.arange(n, device=input_ids.device)
     cache = DynamicCache(config=model.config)
     h = ad.embed(input_ids)
     cos, sin = ad.rotary(h, pos)
-    for layer in ad.layers[: plan.split]:
+    q = min(query, n)
+    inputs_q = {}
+    for idx, layer in enumerate(ad.layers[:split]):
+        if idx >= split - score_layers:
+            inputs_q[idx] = h[:, n - q :]
         h = layer(h, position_embeddings=(cos, sin), position_ids=pos[None], past_key_values=cache, use_cache=True)
+    kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(split)]
+    return EarlyPass(split, h, kv, cos, sin, inputs_q, input_ids)
+
+
+def _ridgefill(
+    model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor | None, early: EarlyPass | None = None
+) -> Prefill:
+    """RidgeFill prefill; `keep` None means: choose the protected rows from the early pass's attention."""
+    ad = adapter_for(model)
+    n = input_ids.shape[1]
+    pos = torch.arange(n, device=input_ids.device)
+    if early is None:
+        early = early_pass(model, input_ids, plan.split, plan.query if keep is None else 1, plan.score_layers)
+    elif early.split != plan.split or not torch.equal(early.input_ids, input_ids):
+        raise ValueError("the early pass is of another prompt or split")
+    cache = DynamicCache(config=model.config)
+    for idx, (k, v) in enumerate(early.kv):
+        cache.update(k, v, idx)  # shared tensors: the cache only ever concatenates onto them
+    h, cos, sin = early.hidden, early.cos, early.sin
+    if keep is None:
+        attention = torch.zeros(n, device=input_ids.device)
+        for idx in range(plan.split - plan.score_layers, plan.split):
+            h_in = early.inputs_q.get(idx)
+            if h_in is None or h_in.shape[1] < min(plan.query, n):
+                raise ValueError("the early pass kept too few query rows or layers for this plan")
+            h_q = h_in[:, h_in.shape[1] - min(plan.query, n) :]
+            q = h_q.shape[1]
+            attention += _question_attention(
+                ad, ad.layers[idx], h_q, cos[:, n - q :], sin[:, n - q :], early.kv[idx][0]
+            )
+        keep = protected_rows(input_ids, plan, attention)
 
     prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
     x_prot, split_bulk = h[:, prot], h[:, bulk]
@@ -104,6 +196,18 @@ def _ridgefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor
     return Prefill(cache, logits, keep)
 
 
+def _question_attention(ad, layer: nn.Module, h_q: Tensor, cos_q: Tensor, sin_q: Tensor, k: Tensor) -> Tensor:
+    """Attention [n] that query rows h_q [1, q, d] (the last q prompt rows) pay every row, summed over
+    heads and query rows; k [1, kv_heads, n, hd] are the layer's roped keys. Only q x n scores are formed.
+    """
+    qh = rope(ad.queries(layer, layer.input_layernorm(h_q)).transpose(1, 2), cos_q, sin_q)  # [1, H, q, hd]
+    kh = k.repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=1)
+    logits = (qh @ kh.transpose(-1, -2)).float() * layer.self_attn.scaling  # [1, H, q, n]
+    n, q = kh.shape[2], qh.shape[2]
+    future = torch.arange(n, device=k.device)[None, :] > torch.arange(n - q, n, device=k.device)[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(-1).sum(dim=(0, 1, 2))
+
+
 def _predict(plan: FillPlan, idx: int, split_bulk: Tensor) -> Tensor:
     """The predicted input of late layer idx for bulk rows; layer S's own input is the split stream."""
     if plan.mode == "identity" or idx == plan.split or plan.maps.kind == "identity":
@@ -121,18 +225,31 @@ def _scatter(rows_p: Tensor, rows_b: Tensor, prot: Tensor, bulk: Tensor, n: int)
 
 
 @torch.inference_mode()
-def generate(model: nn.Module, input_ids: Tensor, plan: FillPlan, max_new_tokens: int, **kwargs) -> Tensor:
+def generate(
+    model: nn.Module,
+    input_ids: Tensor,
+    plan: FillPlan,
+    max_new_tokens: int,
+    on_prefill: Callable[[Prefill], None] | None = None,
+    early: EarlyPass | None = None,
+    **kwargs,
+) -> Tensor:
     """Greedy-decode after a RidgeFill prefill; returns the new token ids [1, m].
 
     All rows but the last are prefilled with RidgeFill (the last row is protected anyway); the stock
     model then runs the last prompt row over that cache, and every decode step, with `generate`.
+    `on_prefill` sees the prefill of those rows (e.g. to record which rows were protected); `early` is
+    an `early_pass` of those rows (`input_ids[:, :-1]`), shared between plans of one split.
     """
     n = input_ids.shape[1]
     if n < 2:
         raise ValueError("a prompt needs at least two tokens")
     head = input_ids[:, :-1]
     plan_head = replace(plan, tail=max(1, plan.tail - 1))
-    cache = prefill(model, head, plan_head).cache
+    pre = prefill(model, head, plan_head, early)
+    if on_prefill is not None:
+        on_prefill(pre)
+    cache = pre.cache
     kwargs.setdefault("do_sample", False)
     out = model.generate(
         input_ids=input_ids,

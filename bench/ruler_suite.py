@@ -1,0 +1,251 @@
+"""The RULER suite, paired against exact prefill on the same samples.
+
+Every synthetic RULER task (qa_1 / qa_2 too when their data is available offline) at each length, on
+exact, identity fill, the ridge map, and the ridge map with a protected share chosen by token rarity,
+by the question's attention, or at random. Per task and overall: the paired delta with a bootstrap
+95% CI, McNemar's exact p per task, the filled-region score (samples whose needle lies in bulk rows),
+how often a needle was protected whole, and the FLOP-bound speed-up (`ridgefill/flops.py`).
+
+Exact outputs are cached by prompt (`--exact-cache`), so a plan added later reuses them. Rows are
+appended to `--out`.jsonl as they are scored, in sample-major order (every plan scores sample i of
+every task before sample i+1), so a run stopped early is still paired and resumes where it stopped.
+
+    python bench/ruler_suite.py --maps maps/s18 --haystack ../shared/data/essays \
+        --length 2048 --samples 20 --length 4096 --samples 10 --out bench/results/ruler_suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ridgefill.evals.paired import paired_summary, region_breakdown
+from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
+from ridgefill.flops import speedup_bound
+from ridgefill.maps import load_maps
+from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate
+from ridgefill.steps import load_model
+
+PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
+NEEDLE_FREE = ("cwe", "fwe")  # no needle: no filled-region score
+
+
+def haystack_files(folder: Path) -> list[Path]:
+    """The evaluation half of a folder: files sorting in the second half by name (the first is for fits)."""
+    files = sorted(folder.glob("*.txt"))
+    if len(files) < 2:
+        raise SystemExit(f"error: {folder} holds fewer than two .txt files; give a folder of essays or omit it")
+    return files[len(files) // 2 :]
+
+
+def make_plans(args, model, tok) -> dict[str, FillPlan]:
+    maps = load_maps(args.maps, model, tok)
+    base = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail)
+    share = dict(share=args.share, query=args.query, window=args.window, score_layers=args.score_layers)
+    plans = {
+        "exact": FillPlan(),
+        "identity": FillPlan("identity", split=maps.split, sink=args.sink, tail=args.tail),
+        "ridge": base,
+        "ridge+rarity": replace(base, select="rarity", **share),
+        "ridge+question": replace(base, select="question", **share),
+        "ridge+random": replace(base, select="random", **share),
+    }
+    return {name: plans[name] for name in args.plans}
+
+
+def plan_config(plan: FillPlan) -> dict:
+    keys = ("mode", "split", "sink", "tail", "share", "select", "query", "window", "score_layers")
+    return {k: getattr(plan, k) for k in keys}
+
+
+def prompt_key(ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def fraction_protected(keep: torch.Tensor, spans: list[tuple[int, int]]) -> float | None:
+    """Share of needle rows that ran the whole model (None without needles)."""
+    rows = [i for s, e in spans for i in range(s, e) if i < keep.numel()]
+    return float(keep[rows].float().mean()) if rows else None
+
+
+def score_one(model, tok, x, plan: FillPlan, early: EarlyPass | None = None) -> dict:
+    kept: list[Prefill] = []
+    t0 = time.perf_counter()
+    ids = torch.tensor([x.input_ids])
+    new = generate(model, ids, plan, x.max_new_tokens, on_prefill=kept.append, early=early)
+    seconds = time.perf_counter() - t0
+    text = tok.decode(new[0], skip_special_tokens=True)
+    keep = kept[0].protected
+    return {
+        "score": sample_score(x.task, text, x.answers),
+        "prediction": text,
+        "seconds": round(seconds, 2),
+        "protected": int(keep.sum()) + 1,  # + the last prompt row, run by the stock model
+        "needle_protected": None if plan.mode == "exact" else fraction_protected(keep, x.needle_spans),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--maps", type=Path, required=True, help="ridge map folder (its split is used for identity)")
+    ap.add_argument("--haystack", type=Path, help="essay folder (its second half is used); default pydoc")
+    ap.add_argument("--length", type=int, action="append", help="repeatable, with --samples in the same order")
+    ap.add_argument("--samples", type=int, action="append", help="samples per task at each --length")
+    ap.add_argument("--tasks", nargs="+", default=[t for t in TASKS if not t.startswith("qa")])
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--share", type=float, default=0.15)
+    ap.add_argument("--query", type=int, default=32)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--score-layers", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--exact-cache", type=Path, default=Path("bench/results/ruler_exact_cache.json"))
+    ap.add_argument("--out", type=Path, required=True, help="stem: writes OUT.jsonl, OUT.json and OUT.md")
+    ap.add_argument("--report-only", action="store_true", help="summarise OUT.jsonl without scoring more")
+    args = ap.parse_args()
+    lengths, counts = args.length or [2048], args.samples or [10]
+    if len(counts) == 1:
+        counts = counts * len(lengths)
+    if len(counts) != len(lengths):
+        raise SystemExit("error: give one --samples per --length (or a single --samples for all)")
+    unknown = sorted(set(args.tasks) - set(TASKS))
+    if unknown:
+        raise SystemExit(f"error: unknown RULER task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
+    if not args.maps.is_dir():
+        raise SystemExit(f"error: --maps {args.maps} is not a map folder; write one with `ridgefill fit`")
+    if args.haystack is not None and not args.haystack.is_dir():
+        raise SystemExit(f"error: --haystack {args.haystack} is not a folder of .txt files; omit it for pydoc")
+
+    model, tok = load_model(args.model)
+    plans = make_plans(args, model, tok)
+    rows_path = args.out.with_suffix(".jsonl")
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+    if not args.report_only:
+        hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
+        run(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
+    report(args, model.config, plans, rows, lengths)
+
+
+def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
+    cache = json.loads(args.exact_cache.read_text()) if args.exact_cache.exists() else {}
+    done = {(r["plan"], r["task"], r["length"], r["index"], json.dumps(r["config"])) for r in rows}
+    for length, n in zip(lengths, counts, strict=True):
+        batches = {}
+        for task in args.tasks:
+            try:
+                batches[task] = make_samples(task, tok, length, hay, n, args.seed)
+            except TaskUnavailable as e:
+                print(f"skip {task}@{length}: {e}", flush=True)
+        for index in range(n):
+            for task, batch in batches.items():
+                x = batch[index]
+                region = region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail)
+                early = None  # layers 0..S-1 of the prompt's head, run once for every non-exact plan
+                for name, plan in plans.items():
+                    cfg = plan_config(plan)
+                    if (name, task, length, index, json.dumps(cfg)) in done:
+                        continue
+                    key = f"{args.model}:{prompt_key(x.input_ids)}"
+                    if name == "exact" and key in cache:
+                        out = cache[key]
+                    else:
+                        if name != "exact" and early is None:
+                            head = torch.tensor([x.input_ids[:-1]])
+                            early = early_pass(model, head, plan.split, args.query, args.score_layers)
+                        out = score_one(model, tok, x, plan, None if name == "exact" else early)
+                        if name == "exact":
+                            cache[key] = out
+                            args.exact_cache.parent.mkdir(parents=True, exist_ok=True)
+                            args.exact_cache.write_text(json.dumps(cache) + "\n")
+                    row = {"plan": name, "task": task, "length": length, "index": index, "config": cfg,
+                           "region": "exact" if name == "exact" else region, "answers": x.answers,
+                           "depths": x.depths, "n_tokens": len(x.input_ids), **out}  # fmt: skip
+                    rows.append(row)
+                    with rows_path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"{length} #{index} {task} {name}: {out['score']:.0f} ({out['seconds']}s)", flush=True)
+
+
+def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: list[int]) -> None:
+    """Write OUT.json (every sample and the summaries) and OUT.md (the tables), and print the tables."""
+    current = {name: json.dumps(plan_config(p)) for name, p in plans.items()}
+    rows = [r for r in rows if current.get(r["plan"]) == json.dumps(r["config"])]
+    needle_tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
+    summary, lines = {}, []
+    lines.append(
+        "| plan | length | tasks | n | mean score | paired delta [95% CI] | filled-region score (exact) [n] "
+        "| needle rows protected | FLOP bound |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for name, plan in plans.items():
+        if name == "exact":
+            continue
+        s = paired_summary(rows, name)
+        summary[name] = {"tasks": {f"{t}@{n}": _jsonable(v) for (t, n), v in s["tasks"].items()}, "overall": {}}
+        for length, o in s["overall"].items():
+            at = [r for r in rows if r["plan"] == name and r["length"] == length]
+            region = region_breakdown([r for r in rows if r["length"] == length], name, tasks=needle_tasks)
+            bulk = region.get("bulk", {"n": 0, "score": float("nan"), "reference": float("nan")})
+            fracs = [r["needle_protected"] for r in at if r["needle_protected"] is not None and r["region"] == "bulk"]
+            protected = sum(r["protected"] for r in at) / len(at)
+            bound = speedup_bound(cfg, length, plan.split, round(protected)) if plan.mode != "exact" else 1.0
+            whole = sum(f == 1.0 for f in fracs)
+            summary[name]["overall"][str(length)] = {
+                **_jsonable(o), "regions": region, "needles_whole": whole, "needles_in_bulk": len(fracs),
+                "needle_rows_protected": sum(fracs) / len(fracs) if fracs else None, "flop_bound": bound,
+            }  # fmt: skip
+            n_tasks = len({k for k in s["tasks"] if k[1] == length})
+            lines.append(
+                f"| {name} | {length} | {n_tasks} | {o['delta'].n} | {o['score']:.1f} (exact {o['reference']:.1f}) | "
+                f"{o['delta']} | {bulk['score']:.1f} ({bulk['reference']:.1f}) [{bulk['n']}] | "
+                f"{(sum(fracs) / len(fracs) * 100) if fracs else float('nan'):.0f}% ({whole}/{len(fracs)} whole) | "
+                f"{bound:.2f}x |"
+            )
+    lines += ["", _task_table(plans, summary, rows)]
+    md = "\n".join(lines)
+    print(md)
+    result = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "plans": {name: plan_config(p) for name, p in plans.items()},
+        "summary": summary,
+        "samples": rows,
+    }
+    result["config"]["maps"] = args.maps.name
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(md + "\n")
+
+
+def _jsonable(cell: dict) -> dict:
+    return {k: (v.as_dict() if hasattr(v, "as_dict") else v) for k, v in cell.items()}
+
+
+def _task_table(plans, summary, rows) -> str:
+    names = [p for p in plans if p != "exact"]
+    head = "| task@length | n | exact | " + " | ".join(f"{p} delta (p)" for p in names) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(names)]
+    keys = sorted({k for p in names for k in summary[p]["tasks"]}, key=lambda k: (int(k.split("@")[1]), k))
+    for key in keys:
+        cells, n, ref = [], "-", "-"
+        for p in names:
+            c = summary[p]["tasks"].get(key)
+            if c is None:
+                cells.append("-")
+                continue
+            n, ref = c["delta"]["n"], f"{c['reference']:.1f}"
+            d = c["delta"]
+            cells.append(f"{d['mean']:+.1f} [{d['lo']:+.0f}, {d['hi']:+.0f}] (p={c['p']:.2g})")
+        lines.append(f"| {key} | {n} | {ref} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
