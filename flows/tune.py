@@ -6,7 +6,8 @@ a fresh search and publishes under its own tag, a rerun on the same weights resu
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
 (fit -> RULER/dNLL -> paired TTFT; each recorded in DuckDB as it finishes) -> Pareto front and the
 chosen map (best speed-up inside the RULER-drop constraint) recorded and attached as artifacts ->
-publish through `registry.publish_best`.
+certification of the chosen map on the study's `certify` benchmark (recorded, pass or fail) -> publish
+through `registry.publish_best`, only when it passed.
 
 Run without a server (Prefect's ephemeral mode): `python flows/tune.py studies/smollm2-135m.yaml`.
 """
@@ -32,7 +33,7 @@ from prefect import flow, get_run_logger  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 
 import tasks  # noqa: E402
-from ridgefill import tuning  # noqa: E402
+from ridgefill import certify, tuning  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.study import Study, load_study  # noqa: E402
 
@@ -75,6 +76,20 @@ def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | No
     served = tasks.serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best["best_map"])
     log.info("pulled back and served: %s", served)
     return str(where)
+
+
+def _certify(rec: Recorder, ostudy, cfg: Study, best: dict, res: dict, log) -> dict | None:
+    """The chosen map's certificate, or None when the study has no certify section."""
+    if cfg.certify is None:
+        log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
+        return None
+    spec = cfg.certify.ruler()
+    inputs = tuning.ruler_inputs_sha(spec)
+    m = (cfg.model.dtype, cfg.hardware.device)
+    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, spec.model_dump(), inputs)
+    trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best["chosen"])
+    ctx = {"path": res["path"], "certify_inputs": inputs}
+    return tasks.certify_map(rec, cfg.name, trial, ctx, exact, cfg)
 
 
 @flow(name="tune", log_prints=True)
@@ -132,7 +147,12 @@ def tune(
         if shared:
             tuning.sync(rec, ostudy, max_drop)  # trials other workers finished (this one's are recorded)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
-    published = _publish(cfg, best, db_path, res["path"], log) if publish and best["best_map"] else None
+        cert = _certify(rec, ostudy, cfg, best, res, log) if best["best_map"] else None
+        go = (lambda: _publish(cfg, best, db_path, res["path"], log)) if publish else (lambda: None)
+        if not best["best_map"]:
+            published = None
+        else:  # the certificate is recorded pass or fail; only a map that passed is published
+            published = go() if cert is None else certify.gate(rec, cert, go, log)
 
     png = base64.b64encode(Path(best["png"]).read_bytes()).decode()
     create_markdown_artifact(key=f"{_key(cfg.name)}-pareto", markdown=best["table"], description="trials")
@@ -148,6 +168,7 @@ def tune(
         "best_map": best["best_map"],
         "results": str(db_path),
         "report": str(Path(best["png"]).parent),
+        "certified": None if cert is None else {k: cert[k] for k in ("passed", "delta", "ci_lo", "ci_hi", "n")},
         "published": published,
     }
     print(best["table"])

@@ -87,8 +87,8 @@ def certificate(
         "ci_lo": overall.lo,
         "ci_hi": overall.hi,
         "n": overall.n,
-        "score": sum(p.mean() for p, _ in cells.values()) / len(cells),
-        "exact": sum(e.mean() for _, e in cells.values()) / len(cells),
+        "score": float(sum(p.mean() for p, _ in cells.values()) / len(cells)),
+        "exact": float(sum(e.mean() for _, e in cells.values()) / len(cells)),
         "tasks": sorted({t for t, _ in cells}),
         "lengths": sorted({n for _, n in cells}),
         "samples": spec.samples,
@@ -135,11 +135,12 @@ def summary_line(cert: dict) -> str:
     )
 
 
-def gate(recorder, cert: dict, publish: Callable[[], T]) -> T | None:
+def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger | None = None) -> T | None:
     """Record the certificate (pass or fail), then publish only a map that passed; returns what `publish` gave."""
+    logger = logger or log
     recorder.certification(cert, metric_rows(cert))
     if not cert["passed"]:
-        log.error("%s; not published", summary_line(cert))
+        logger.error("%s; not published", summary_line(cert))
         return None
-    log.info("%s", summary_line(cert))
+    logger.info("%s", summary_line(cert))
     return publish()

@@ -221,6 +221,13 @@ class Recorder:
         rows = [(cert["study"], cert["trial"], *m) for m in metrics]
         self._tx([("certifications", CERT_COLS, [row]), ("metrics", METRIC_COLS, rows)], clear)
 
+    def certified(self, study: str, trial: int) -> dict | None:
+        """The recorded certificate of a study's trial, or None."""
+        with self._lock, connect(self.path, schema=False) as con:
+            q = "SELECT detail FROM certifications WHERE study = ? AND trial = ?"
+            row = con.execute(q, [study, trial]).fetchone()
+        return json.loads(row[0]) if row else None
+
     def published(self, study: str, trial: int, where: str) -> None:
         self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])
 
