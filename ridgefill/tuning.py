@@ -248,7 +248,9 @@ def ruler_low(delta: float, ci: dict | None) -> float:
 def feasible(t: FrozenTrial, max_drop: float) -> bool:
     """Complete and inside the RULER-drop limit given now (a trial's stored constraint used the limit of its
     day): the paired delta's CI lower bound is >= -max_drop."""
-    return t.state == TrialState.COMPLETE and ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop
+    if t.state != TrialState.COMPLETE:
+        return False
+    return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-9  # on the limit passes
 
 
 def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:
