@@ -22,7 +22,7 @@ from ridgefill.study import Certify
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAP, EXACT = "map", "exact"
-TOL = 1e-9  # a bound that lands on the limit (a mean of whole-sample losses) passes, whatever the rounding
+TOL = 1e-12  # a bound that lands on the limit (a mean of whole-sample losses) passes, whatever the rounding
 
 
 def rule(max_drop: float) -> str:

@@ -250,7 +250,7 @@ def feasible(t: FrozenTrial, max_drop: float) -> bool:
     day): the paired delta's CI lower bound is >= -max_drop."""
     if t.state != TrialState.COMPLETE:
         return False
-    return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-9  # on the limit passes
+    return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-12  # on the limit passes
 
 
 def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:

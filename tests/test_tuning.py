@@ -304,7 +304,7 @@ def test_constraint_is_the_paired_ci_lower_bound(tmp_path):
     """A trial whose mean loss is small but whose CI reaches past the limit is infeasible; the CI (lo, hi, n)
     is kept in the trial's user attrs and in DuckDB."""
     cfg, study = _study(tmp_path, trials=3)
-    cis = {0: (-2.0, -15.0, 1.0), 1: (-5.0, -8.0, 0.0), 2: (0.0, 0.0, 0.0)}  # mean, lo, hi
+    cis = {0: (-2.0, -DROP - 5, 1.0), 1: (-5.0, -DROP + 2, 0.0), 2: (0.0, 0.0, 0.0)}  # mean, lo, hi
 
     def evaluate(batch):
         outs = []
@@ -317,14 +317,15 @@ def test_constraint_is_the_paired_ci_lower_bound(tmp_path):
     with Recorder(db) as rec:
         tuning.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
     trials = study.trials
-    assert DROP == 10.0 and [tuning.feasible(t, DROP) for t in trials] == [False, True, True]
-    assert trials[0].constraints == {"ruler_drop": pytest.approx(15.0 - DROP)}  # > 0: violated
-    assert trials[1].user_attrs["ruler_ci"] == {"lo": -8.0, "hi": 0.0, "n": 24}
+    assert [tuning.feasible(t, DROP) for t in trials] == [False, True, True]
+    assert trials[0].constraints == {"ruler_drop": pytest.approx(5.0)}  # > 0: violated
+    assert trials[1].user_attrs["ruler_ci"] == {"lo": -DROP + 2, "hi": 0.0, "n": 24}
     assert tuning.choose(trials, DROP).number == 2 and 0 not in [t.number for t in tuning.front(trials, DROP)]
     rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_ci_hi, ruler_n, feasible FROM trials ORDER BY 1")
-    assert rows[1] == [(0, -2.0, -15.0, 1.0, 24, False), (1, -5.0, -8.0, 0.0, 24, True), (2, 0.0, 0.0, 0.0, 24, True)]
+    lo0, lo1 = -DROP - 5, -DROP + 2
+    assert rows[1] == [(0, -2.0, lo0, 1.0, 24, False), (1, -5.0, lo1, 0.0, 24, True), (2, 0.0, 0.0, 0.0, 24, True)]
     md = tuning.table(trials, None, DROP)
-    assert "95% CI lower bound" in md and "[-15.0, +1.0] (24)" in md
+    assert "95% CI lower bound" in md and f"[{lo0:+.1f}, +1.0] (24)" in md
 
 
 def test_paired_delta_pairs_sample_by_sample():
