@@ -78,18 +78,26 @@ def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | No
     return str(where)
 
 
-def _certify(rec: Recorder, ostudy, cfg: Study, best: dict, res: dict, log) -> dict | None:
-    """The chosen map's certificate, or None when the study has no certify section."""
+def _certify_exact(cfg: Study, res: dict) -> dict | None:
+    """The exact side of the certification (cached per weights), run before the search so that a certify
+    task that cannot be built at its length fails before any trial runs."""
     if cfg.certify is None:
-        log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
         return None
     spec = cfg.certify.ruler()
     inputs = tuning.ruler_inputs_sha(spec)
     m = (cfg.model.dtype, cfg.hardware.device)
     exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, spec.model_dump(), inputs)
+    return {"exact": exact, "inputs": inputs}
+
+
+def _certify(rec: Recorder, ostudy, cfg: Study, best: dict, res: dict, cexact: dict | None, log) -> dict | None:
+    """The chosen map's certificate, or None when the study has no certify section."""
+    if cexact is None:
+        log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
+        return None
     trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best["chosen"])
-    ctx = {"path": res["path"], "certify_inputs": inputs}
-    return tasks.certify_map(rec, cfg.name, trial, ctx, exact, cfg)
+    ctx = {"path": res["path"], "certify_inputs": cexact["inputs"]}
+    return tasks.certify_map(rec, cfg.name, trial, ctx, cexact["exact"], cfg)
 
 
 @flow(name="tune", log_prints=True)
@@ -127,6 +135,7 @@ def tune(
         cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
     ruler = cfg.objectives.ruler
     exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler))
+    cexact = _certify_exact(cfg, res)
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
@@ -147,7 +156,7 @@ def tune(
         if shared:
             tuning.sync(rec, ostudy, max_drop)  # trials other workers finished (this one's are recorded)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
-        cert = _certify(rec, ostudy, cfg, best, res, log) if best["best_map"] else None
+        cert = _certify(rec, ostudy, cfg, best, res, cexact, log) if best["best_map"] else None
         go = (lambda: _publish(cfg, best, db_path, res["path"], log)) if publish else (lambda: None)
         if not best["best_map"]:
             published = None
