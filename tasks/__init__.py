@@ -221,8 +221,8 @@ def record_baseline(recorder: Recorder, study_name: str, exact: dict) -> None:
 @task(cache_policy=NO_CACHE)
 def certify_map(recorder: Recorder, study_name: str, trial, ctx: dict, exact: dict, cfg: Study) -> dict:
     """The chosen map on the study's `certify` benchmark, paired against `exact` (that benchmark's cached
-    exact run): its certificate, recorded in DuckDB. A certificate of the same map, settings and inputs
-    already recorded is reused."""
+    exact run): its certificate, for `certify.gate` to record. One already recorded for the same map,
+    settings, inputs and limit is reused, so a rerun does not pay for it again."""
     import time
 
     from ridgefill import certify
