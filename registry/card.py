@@ -26,6 +26,8 @@ GROUPS = {
     "dnll": ("text-generation", "Held-out NLL difference", "dnll", "Calibration held-out text", "dnll"),
 }
 CERTIFIED = "certified"
+SMALL_N = 100  # fewer pairs than this: the card labels the certificate small-n
+SMALL = " Small n: the CI, not the mean, is what these samples support."
 
 
 def flatten(results: Mapping, prefix: str = "") -> dict[str, float]:
@@ -162,7 +164,7 @@ def _certified(cert: Mapping | None) -> str:
 tokens, {cert["samples"]} samples per task and length (seed {cert["seed"]}), haystack {cert["haystack"]}; paired
 against exact prefill on the same samples. Mean paired delta **{cert["delta"]:+.1f}** points, 95% CI
 [{cert["ci_lo"]:+.1f}, {cert["ci_hi"]:+.1f}], n = {cert["n"]} ({cert["score"]:.1f} vs {cert["exact"]:.1f} exact).
-Rule: {cert["rule"]}. By needle region: {regions or "-"}.
+Rule: {cert["rule"]}. By needle region: {regions or "-"}.{SMALL if cert["n"] < SMALL_N else ""}
 
 | task | length | exact | map | delta [95% CI] | n | McNemar p |
 |---|---|---|---|---|---|---|

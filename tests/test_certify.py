@@ -131,7 +131,7 @@ def test_gate_publishes_a_passing_map_with_certified_numbers(chosen, tiny_models
                                                                              m["delta_ci95_high"]["value"]]  # fmt: skip
     assert m["niah_multikey_1/2048/delta"]["args"]["n"] == 10 and "mcnemar_p" in m["niah_multikey_1/2048/delta"]["args"]
     assert "Certified before publishing on RULER niah_multikey_1, niah_single_1 at 2048" in card.text
-    assert "n = 20" in card.text and "| niah_single_1 | 2048 |" in card.text
+    assert "n = 20" in card.text and "| niah_single_1 | 2048 |" in card.text and "Small n" in card.text
 
 
 @pytest.mark.slow
