@@ -6,7 +6,8 @@ a fresh search and publishes under its own tag, a rerun on the same weights resu
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
 (fit -> RULER/dNLL -> paired TTFT; each recorded in DuckDB as it finishes) -> Pareto front and the
 chosen map (best speed-up inside the RULER-drop constraint) recorded and attached as artifacts ->
-publish through `registry.publish_best`.
+certification of the chosen map on the study's `certify` benchmark (recorded, pass or fail) -> publish
+through `registry.publish_best`, only when it passed.
 
 Run without a server (Prefect's ephemeral mode): `python flows/tune.py studies/smollm2-135m.yaml`.
 The whole study is checked first (`study.preflight`: fields, the model's config.json, the files it names),
@@ -39,11 +40,11 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 import tasks  # noqa: E402
-from ridgefill import cost, tuning  # noqa: E402
+from ridgefill import certify, cost, tuning  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.study import Study, find_study, preflight  # noqa: E402
 
-STAGES = 6
+STAGES = 7
 
 
 def study_path(study: str) -> Path:
@@ -85,7 +86,7 @@ def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | No
         return None
     with Recorder(db) as rec:
         rec.published(cfg.name, best["chosen"], str(where))
-    log.info("[6/%d] publish: %s", STAGES, where)
+    log.info("[7/%d] publish: %s", STAGES, where)
     served = tasks.serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best["best_map"])
     log.info("pulled back and served: %s", served)
     return str(where)
@@ -96,6 +97,28 @@ def _within_budget(cfg: Study, force: bool, log, model=None, path: str | None = 
     est, plan = cost.plan(cfg, model=model, path=path)
     log.info("%s", plan)
     cost.check_budget(cfg, est, force)
+
+
+def _certify_exact(cfg: Study, res: dict) -> dict | None:
+    """The exact side of the certification (cached per weights), run before the search so that a certify
+    task that cannot be built at its length fails before any trial runs."""
+    if cfg.certify is None:
+        return None
+    spec = cfg.certify.ruler()
+    inputs = tuning.ruler_inputs_sha(spec)
+    m = (cfg.model.dtype, cfg.hardware.device)
+    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, spec.model_dump(), inputs)
+    return {"exact": exact, "inputs": inputs}
+
+
+def _certify(rec: Recorder, ostudy, cfg: Study, best: dict, res: dict, cexact: dict | None, log) -> dict | None:
+    """The chosen map's certificate, or None when the study has no certify section."""
+    if cexact is None:
+        log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
+        return None
+    trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best["chosen"])
+    ctx = {"path": res["path"], "certify_inputs": cexact["inputs"]}
+    return tasks.certify_map(rec, cfg.name, trial, ctx, cexact["exact"], cfg)
 
 
 @flow(name="tune", log_prints=True)
@@ -145,11 +168,12 @@ def tune(
     exact = tasks.exact_ruler(
         res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler), cfg.engine
     )
-    cells = [c["all"] for lengths in exact.values() for c in lengths.values()]
+    cells = [c["all"] for lengths in exact["scores"].values() for c in lengths.values()]
     log.info(
         "[3/%d] exact RULER baseline (%s): %s at %s tokens, %d samples each: mean %.1f",
         STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.samples, sum(cells) / max(1, len(cells)),
     )  # fmt: skip
+    cexact = _certify_exact(cfg, res)
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
@@ -181,13 +205,23 @@ def tune(
             synced = tuning.sync(rec, ostudy, max_drop)
             log.info("synced the whole shared study (%d finished trials) into %s", synced, db_path)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
-    log.info(
-        "[5/%d] select: Pareto front %s, chosen trial %s, map %s", STAGES, best["front"], best["chosen"],
-        best["best_map"],
-    )  # fmt: skip
-    if not (publish and best["best_map"]):
-        log.info("[6/%d] publish: skipped (%s)", STAGES, "no feasible trial" if publish else "publish is off")
-    published = _publish(cfg, best, db_path, res["path"], log) if publish and best["best_map"] else None
+        log.info(
+            "[5/%d] select: Pareto front %s, chosen trial %s, map %s", STAGES, best["front"], best["chosen"],
+            best["best_map"],
+        )  # fmt: skip
+        cert = None
+        if best["best_map"]:
+            log.info("[6/%d] certify: trial %s on the study's certify benchmark", STAGES, best["chosen"])
+            cert = _certify(rec, ostudy, cfg, best, res, cexact, log)
+        else:
+            log.info("[6/%d] certify: skipped (no feasible trial)", STAGES)
+        go = (lambda: _publish(cfg, best, db_path, res["path"], log)) if publish else (lambda: None)
+        if not (publish and best["best_map"]):
+            why = "publish is off" if best["best_map"] else "no feasible trial"
+            log.info("[7/%d] publish: skipped (%s)", STAGES, why)
+            published = None
+        else:  # the certificate is recorded pass or fail; only a map that passed is published
+            published = go() if cert is None else certify.gate(rec, cert, go, log)
 
     png = base64.b64encode(Path(best["png"]).read_bytes()).decode()
     create_markdown_artifact(key=f"{_key(cfg.name)}-pareto", markdown=best["table"], description="trials")
@@ -204,6 +238,7 @@ def tune(
         "best_map": best["best_map"],
         "results": str(db_path),
         "report": str(Path(best["png"]).parent),
+        "certified": None if cert is None else {k: cert[k] for k in ("passed", "delta", "ci_lo", "ci_hi", "n")},
         "published": published,
     }
     print(best["table"])

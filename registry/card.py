@@ -3,6 +3,8 @@
 Results come as a plain dict so the registry does not depend on the pipeline:
 ``{"ruler": {...}, "ttft": {...}, "dnll": {...}}``, each a flat or nested mapping of metric name to number
 (nested keys are joined with "/", e.g. ``{"niah_single": {"4096": {"all": 0.95}}}`` -> ``niah_single/4096/all``).
+An optional ``"certified"`` entry is the map's certificate (``ridgefill.certify.certificate``): the paired RULER
+delta vs exact with its 95% CI and n, per task and overall, and the tasks, lengths, samples and haystack run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ GROUPS = {
     "ttft": ("text-generation", "Time to first token", "ttft", "Prefill latency", "speedup"),
     "dnll": ("text-generation", "Held-out NLL difference", "dnll", "Calibration held-out text", "dnll"),
 }
+CERTIFIED = "certified"
+SMALL_N = 100  # fewer pairs than this: the card labels the certificate small-n
+SMALL = " Small n: the CI, not the mean, is what these samples support."
 
 
 def flatten(results: Mapping, prefix: str = "") -> dict[str, float]:
@@ -63,6 +68,40 @@ def eval_results(results: Mapping, model_name: str) -> list[EvalResult]:
     return out
 
 
+def certified_results(cert: Mapping | None) -> list[EvalResult]:
+    """The certificate as model-index entries: one dataset (config `certify`, args = what was run), the overall
+    paired delta, its CI bounds and n, the scores, and each task's delta with its CI, n and McNemar p."""
+    if not cert:
+        return []
+    args = {k: cert[k] for k in ("tasks", "lengths", "samples", "haystack", "seed")}
+    common = dict(
+        task_type="text-generation",
+        task_name="RULER long-context retrieval, certified before publishing",
+        dataset_type="ruler",
+        dataset_name=f"RULER (synthetic), haystack {cert['haystack']}",
+        dataset_config="certify",
+        dataset_args=args,
+        metric_config="paired vs exact on the same samples, 95% percentile bootstrap CI",
+    )
+    ci = {"n": cert["n"], "ci95": [cert["ci_lo"], cert["ci_hi"]], "passed": cert["passed"], "rule": cert["rule"]}
+    values = [
+        ("accuracy_delta", "delta", cert["delta"], ci),
+        ("accuracy_delta", "delta_ci95_low", cert["ci_lo"], None),
+        ("accuracy_delta", "delta_ci95_high", cert["ci_hi"], None),
+        ("n", "n", cert["n"], None),
+        ("accuracy", "score", cert["score"], None),
+        ("accuracy", "exact_score", cert["exact"], None),
+    ]
+    for c in cert.get("per_task", []):
+        one = {"n": c["n"], "ci95": [c["ci_lo"], c["ci_hi"]], "mcnemar_p": c["p"]}
+        values.append(("accuracy_delta", f"{c['task']}/{c['length']}/delta", c["delta"], one))
+        values.append(("accuracy", f"{c['task']}/{c['length']}/score", c["score"], {"exact": c["exact"]}))
+    return [
+        EvalResult(**common, metric_type=t, metric_name=name, metric_value=float(v), metric_args=a)
+        for t, name, v, a in values
+    ]
+
+
 def card_data(
     manifest: dict,
     results: Mapping,
@@ -87,7 +126,7 @@ def card_data(
         license_link=None if license or base == EMBEDDED_BASE else f"https://huggingface.co/{base}",
         tags=["ridgefill", "kv-cache", "prefill", f"split-{manifest['split']}", manifest["kind"]],
         model_name=name,
-        eval_results=eval_results(results, name) or None,
+        eval_results=eval_results(results, name) + certified_results(results.get(CERTIFIED)) or None,
         ridgefill={
             "split": manifest["split"],
             "kind": manifest["kind"],
@@ -110,6 +149,29 @@ def _table(results: Mapping) -> str:
     return "| group | metric | value |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
+def _certified(cert: Mapping | None) -> str:
+    if not cert:
+        return "This map was not certified on a fuller benchmark before it was published.\n"
+    rows = "\n".join(
+        f"| {c['task']} | {c['length']} | {c['exact']:.1f} | {c['score']:.1f} | {c['delta']:+.1f} "
+        f"[{c['ci_lo']:+.1f}, {c['ci_hi']:+.1f}] | {c['n']} | {c['p']:.3g} |"
+        for c in cert.get("per_task", [])
+    )
+    regions = ", ".join(
+        f"{k} {r['score']:.1f} vs {r['reference']:.1f} exact (n={r['n']})" for k, r in cert.get("regions", {}).items()
+    )
+    return f"""Certified before publishing on RULER {", ".join(cert["tasks"])} at {", ".join(map(str, cert["lengths"]))}
+tokens, {cert["samples"]} samples per task and length (seed {cert["seed"]}), haystack {cert["haystack"]}; paired
+against exact prefill on the same samples. Mean paired delta **{cert["delta"]:+.1f}** points, 95% CI
+[{cert["ci_lo"]:+.1f}, {cert["ci_hi"]:+.1f}], n = {cert["n"]} ({cert["score"]:.1f} vs {cert["exact"]:.1f} exact).
+Rule: {cert["rule"]}. By needle region: {regions or "-"}.{SMALL if cert["n"] < SMALL_N else ""}
+
+| task | length | exact | map | delta [95% CI] | n | McNemar p |
+|---|---|---|---|---|---|---|
+{rows}
+"""
+
+
 def body(data: ModelCardData, manifest: dict, results: Mapping, repo_id: str) -> str:
     d = manifest.get("defaults", {})
     return f"""
@@ -123,8 +185,12 @@ input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get
 ## Results
 
 {_table(results)}
-RULER: accuracy by task/length/region; TTFT: speed-up over the exact prefill; dNLL: mean NLL difference (nats).
+RULER: accuracy by task/length/region during the search (few samples per task: small n; the certified numbers
+are below); TTFT: speed-up over the exact prefill; dNLL: mean NLL difference (nats).
 
+## Certification
+
+{_certified(results.get(CERTIFIED))}
 ## Use
 
 Pull and verify (every file's sha256 from `ridgefill.json`, then the model fingerprint), then serve:

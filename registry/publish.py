@@ -9,6 +9,7 @@ single-writer lock that the tuner needs.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from pathlib import Path
 from huggingface_hub import get_token
 
 from registry.base import Backend, Publication, RegistryError, tag_for
-from registry.card import EMBEDDED_BASE, GROUPS, make_card
+from registry.card import CERTIFIED, EMBEDDED_BASE, GROUPS, make_card
 from registry.hub import HubBackend
 from registry.local import LocalBackend
 from ridgefill.maps import read_manifest
@@ -122,7 +123,21 @@ def study_map(con, study: str, map_path: str | None = None) -> tuple[Path, dict,
     if row.get("trial") is not None:
         for group, values in _metric_rows(con, study, row["trial"]).items():
             results[group] = {**values, **results.get(group, {})}
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "certifications" in tables and row.get("trial") is not None:  # results files from before certification
+        results[CERTIFIED] = _certificate(con, study, row["trial"])
     return Path(map_path or row["path"]), {g: v for g, v in results.items() if v}, row
+
+
+def _certificate(con, study: str, trial: int) -> dict | None:
+    """The map's recorded certificate; a map that failed its certification is refused here, before any upload."""
+    found = con.execute("SELECT passed, detail FROM certifications WHERE study = ? AND trial = ?", [study, trial])
+    row = found.fetchone()
+    if row is None:
+        return None
+    if not row[0]:
+        raise RegistryError(f"study {study!r} trial {trial}: the map failed its certification; it is not published")
+    return json.loads(row[1])
 
 
 def _connect(db_path: Path):

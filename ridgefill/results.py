@@ -1,4 +1,4 @@
-"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region) and maps.
+"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region), maps and certifications.
 
 DuckDB allows one process at a time to open a file for writing, so a `Recorder` opens it for each
 transaction only (one finished trial = one transaction of batched VALUES) and waits while another
@@ -32,6 +32,9 @@ CREATE TABLE IF NOT EXISTS trials (
     ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, map_path TEXT, params JSON,
     seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
 );
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_ci_lo DOUBLE;
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_ci_hi DOUBLE;
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_n INTEGER;
 CREATE TABLE IF NOT EXISTS metrics (
     study TEXT, trial INTEGER, kind TEXT, plan TEXT, task TEXT, length INTEGER, region TEXT,
     value DOUBLE, n INTEGER, PRIMARY KEY (study, trial, kind, plan, task, length, region)
@@ -40,6 +43,11 @@ CREATE TABLE IF NOT EXISTS maps (
     study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, split INTEGER, lam DOUBLE,
     tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, chosen BOOLEAN DEFAULT false,
     published TEXT, created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
+);
+CREATE TABLE IF NOT EXISTS certifications (
+    study TEXT, trial INTEGER, passed BOOLEAN, rule TEXT, delta DOUBLE, ci_lo DOUBLE, ci_hi DOUBLE, n INTEGER,
+    score DOUBLE, exact DOUBLE, tasks JSON, lengths JSON, samples INTEGER, haystack TEXT, seed INTEGER,
+    detail JSON, seconds DOUBLE, certified TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
 );
 CREATE OR REPLACE VIEW pareto AS
 SELECT t.* FROM trials t
@@ -50,16 +58,22 @@ WHERE t.state = 'COMPLETE' AND t.feasible AND NOT EXISTS (
       AND (u.ruler_delta > t.ruler_delta OR u.speedup > t.speedup)
 );
 CREATE OR REPLACE VIEW best_map AS
-SELECT m.* FROM maps m LEFT JOIN studies s ON s.study = m.study WHERE m.chosen
+SELECT m.* FROM maps m LEFT JOIN studies s ON s.study = m.study
+LEFT JOIN certifications c ON c.study = m.study AND c.trial = m.trial
+WHERE m.chosen AND c.passed IS NOT false  -- a map that failed its certification is never the one to serve
 QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY s.updated DESC NULLS LAST, m.speedup DESC, m.created DESC) = 1;
 """
 TRIAL_COLS = (
     "study", "trial", "state", "split", "lam", "tail", "share", "sink", "ruler_delta", "speedup", "dnll",
-    "feasible", "map_path", "params", "seconds",
+    "feasible", "map_path", "params", "seconds", "ruler_ci_lo", "ruler_ci_hi", "ruler_n",
 )  # fmt: skip
 METRIC_COLS = ("study", "trial", "kind", "plan", "task", "length", "region", "value", "n")
 MAP_COLS = (
     "study", "trial", "model", "path", "manifest_sha256", "split", "lam", "tail", "share", "ruler_delta", "speedup",
+)  # fmt: skip
+CERT_COLS = (
+    "study", "trial", "passed", "rule", "delta", "ci_lo", "ci_hi", "n", "score", "exact", "tasks", "lengths",
+    "samples", "haystack", "seed", "detail", "seconds",
 )  # fmt: skip
 BASELINE = -1  # the trial number under which a study's exact baselines are recorded
 
@@ -113,13 +127,14 @@ class TrialRecord:
     map_path: str | None = None
     seconds: float | None = None
     metrics: list[tuple] = field(default_factory=list)
+    ruler_ci: dict | None = None  # {"lo", "hi", "n"}: the paired delta's 95% CI
 
     def row(self) -> tuple:
-        p = self.params
+        p, ci = self.params, self.ruler_ci or {}
         return (
             self.study, self.trial, self.state, p.get("split"), p.get("lam"), p.get("tail"), p.get("share"),
             p.get("sink"), self.ruler_delta, self.speedup, self.dnll, self.feasible, self.map_path,
-            json.dumps(p), self.seconds,
+            json.dumps(p), self.seconds, ci.get("lo"), ci.get("hi"), ci.get("n"),
         )  # fmt: skip
 
 
@@ -173,9 +188,11 @@ class Recorder:
         self._tx([("studies", cols, [row])], [])
 
     def trials(self, records: Sequence[TrialRecord]) -> None:
-        """Upsert trials with their metrics (a trial's old metric rows are replaced, never duplicated)."""
+        """Upsert trials with their metrics (a trial's old metric rows are replaced, never duplicated; its
+        certification's rows stay)."""
         metrics = [(r.study, r.trial, *m) for r in records for m in r.metrics]
-        clear = [("DELETE FROM metrics WHERE study = ? AND trial = ?", [r.study, r.trial]) for r in records]
+        q = "DELETE FROM metrics WHERE study = ? AND trial = ? AND kind <> 'certify'"
+        clear = [(q, [r.study, r.trial]) for r in records]
         self._tx([("trials", TRIAL_COLS, [r.row() for r in records]), ("metrics", METRIC_COLS, metrics)], clear)
 
     def baseline(self, study: str, metrics: list[tuple]) -> None:
@@ -191,6 +208,25 @@ class Recorder:
         if chosen is not None:
             after.append(("UPDATE maps SET chosen = true WHERE study = ? AND trial = ?", [study, chosen]))
         self._tx([("maps", MAP_COLS, rows)], [], after)
+
+    def certification(self, cert: dict, metrics: Sequence[tuple] = ()) -> None:
+        """Upsert a map's certification (`ridgefill.certify.certificate`) and its metric rows (kind 'certify')."""
+        row = (
+            cert["study"], cert["trial"], cert["passed"], cert["rule"], cert["delta"], cert["ci_lo"], cert["ci_hi"],
+            cert["n"], cert["score"], cert["exact"], json.dumps(cert["tasks"]), json.dumps(cert["lengths"]),
+            cert["samples"], cert["haystack"], cert["seed"], json.dumps(cert), cert.get("seconds"),
+        )  # fmt: skip
+        key = [cert["study"], cert["trial"]]
+        clear = [("DELETE FROM metrics WHERE study = ? AND trial = ? AND kind = 'certify'", key)]
+        rows = [(cert["study"], cert["trial"], *m) for m in metrics]
+        self._tx([("certifications", CERT_COLS, [row]), ("metrics", METRIC_COLS, rows)], clear)
+
+    def certified(self, study: str, trial: int) -> dict | None:
+        """The recorded certificate of a study's trial, or None."""
+        with self._lock, connect(self.path, schema=False) as con:
+            q = "SELECT detail FROM certifications WHERE study = ? AND trial = ?"
+            row = con.execute(q, [study, trial]).fetchone()
+        return json.loads(row[0]) if row else None
 
     def published(self, study: str, trial: int, where: str) -> None:
         self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])

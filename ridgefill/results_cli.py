@@ -11,9 +11,11 @@ import typer
 from ridgefill.results import default_db
 
 DEFAULT_SQL = {
-    "trials": "SELECT study, trial, state, split, lam, tail, share, ruler_delta, speedup, dnll, feasible "
-    "FROM trials ORDER BY study, trial",
+    "trials": "SELECT study, trial, state, split, lam, tail, share, ruler_delta, ruler_ci_lo, ruler_ci_hi, ruler_n, "
+    "speedup, dnll, feasible FROM trials ORDER BY study, trial",
     "pareto": "SELECT study, trial, split, lam, tail, share, ruler_delta, speedup FROM pareto ORDER BY study, speedup",
+    "certifications": "SELECT study, trial, passed, delta, ci_lo, ci_hi, n, tasks, lengths, samples, haystack "
+    "FROM certifications ORDER BY study, trial",
     "best map": "SELECT model, study, trial, path, ruler_delta, speedup, published FROM best_map ORDER BY model",
 }
 

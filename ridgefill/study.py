@@ -2,7 +2,8 @@
 
 A study fixes the model and revision, the calibration corpus and its token budget, the search space
 (splits, lambda range, tail sizes, protected-row share), the objectives (RULER tasks and lengths, TTFT
-lengths), the constraint (largest RULER drop), the trial budget, the engine and hardware hints.
+lengths), the constraint (largest RULER drop), the trial budget, the engine and hardware hints, and the
+certification a chosen map must pass before it is published.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ class Ruler(_Strict):
         return v
 
 
+class Certify(Ruler):
+    """The fuller RULER run a chosen map must pass before it is published (paired against exact on the same
+    samples): it passes when the 95% CI lower bound of the mean paired delta is >= -max_drop."""
+
+    samples: Pos = 20
+    max_drop: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="RULER points the CI lower bound may lose; default constraints.max_ruler_drop"
+    )
+
+    def ruler(self) -> Ruler:
+        """The benchmark settings alone (what the exact baseline depends on)."""
+        return Ruler(**self.model_dump(exclude={"max_drop"}))
+
+
 class Nll(_Strict):
     lengths: list[Pos] = Field(default_factory=list)
     documents: Annotated[int, Field(ge=0)] = 0
@@ -106,7 +121,9 @@ class Objectives(_Strict):
 
 
 class Constraints(_Strict):
-    max_ruler_drop: float = Field(description="RULER points (0-100) a trial may lose")
+    max_ruler_drop: float = Field(
+        description="RULER points (0-100) a trial may lose: the 95% CI lower bound of its paired delta vs exact"
+    )
 
     @field_validator("max_ruler_drop")
     @classmethod
@@ -140,16 +157,27 @@ class Study(_Strict):
     budget: Budget
     engine: Literal["transformers", "vllm"] = "transformers"
     hardware: Hardware = Hardware()
+    certify: Certify | None = None
 
     @model_validator(mode="after")
     def _rows_to_fill(self) -> Study:
-        shortest = min(self.objectives.ruler.lengths + self.objectives.ttft.lengths)
+        shortest = min(self.objectives.ruler.lengths + self.objectives.ttft.lengths + self.certify_lengths)
         if self.search.sink + max(self.search.tails) >= shortest:
             msg = f"sink + tail ({self.search.sink} + {max(self.search.tails)}) leaves no bulk rows in the "
             msg += f"shortest objective length {shortest}"
             err = InitErrorDetails(type=PydanticCustomError("no_bulk_rows", msg), loc=("search", "tails"), input=None)
             raise ValidationError.from_exception_data("Study", [err])
         return self
+
+    @property
+    def certify_lengths(self) -> list[int]:
+        return list(self.certify.lengths) if self.certify else []
+
+    @property
+    def certify_drop(self) -> float:
+        """The certification limit: the certify section's max_drop, else the tuning constraint."""
+        c = self.certify
+        return self.constraints.max_ruler_drop if c is None or c.max_drop is None else c.max_drop
 
 
 def _where(err: dict) -> str:

@@ -1,7 +1,9 @@
 """The search as plain functions: an Optuna multi-objective study over (split, lambda, tail, share).
 
 Objectives, both maximised: RULER delta vs exact (points, <= 0 in practice) and TTFT speed-up vs exact.
-Constraint (`trial.set_constraint`): the RULER drop stays within the study's maximum. The study lives
+The RULER delta is paired: each sample's score minus exact's on the same sample, averaged per task and
+then over tasks x lengths. Constraint (`trial.set_constraint`): the 95% bootstrap CI lower bound of that
+paired delta stays within the study's maximum drop, so a few lucky samples cannot pass a lossy map. The study lives
 in real storage (a journal file by default, or an RDB URL such as PostgreSQL shared by several
 machines) and is driven with ask/tell so a caller (the Prefect flow, a test) supplies the evaluation.
 A trial left RUNNING by a dead process of this host is failed and its parameters re-enqueued on resume.
@@ -53,6 +55,7 @@ class Outcome:
     dnll: float | None = None
     map_path: str | None = None
     metrics: list[tuple] = field(default_factory=list)  # (kind, plan, task, length, region, value, n)
+    ruler_ci: dict | None = None  # {"lo", "hi", "n"} of the paired delta's 95% CI; None: judged on the mean
 
 
 Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
@@ -209,7 +212,8 @@ def finish(study: optuna.Study, trial: optuna.Trial, out: Outcome | BaseExceptio
         trial.set_user_attr("error", f"{type(out).__name__}: {out}"[:2000])
         study.tell(trial, state=TrialState.FAIL)
         return
-    trial.set_constraint("ruler_drop", float(-out.ruler_delta - max_drop))
+    trial.set_constraint("ruler_drop", float(-ruler_low(out.ruler_delta, out.ruler_ci) - max_drop))
+    trial.set_user_attr("ruler_ci", out.ruler_ci)
     trial.set_user_attr("dnll", out.dnll)
     trial.set_user_attr("map_path", out.map_path)
     trial.set_user_attr("metrics", [list(m) for m in out.metrics])
@@ -268,9 +272,17 @@ def settle(study: optuna.Study, timeout: float | None = None, poll: float = 2.0)
 # --- selection and records -----------------------------------------------------------------------------
 
 
+def ruler_low(delta: float, ci: dict | None) -> float:
+    """What the constraint judges: the CI lower bound of the paired delta (the mean for trials without one)."""
+    return float(ci["lo"]) if ci and ci.get("lo") is not None else float(delta)
+
+
 def feasible(t: FrozenTrial, max_drop: float) -> bool:
-    """Complete and inside the RULER-drop limit given now (a trial's stored constraint used the limit of its day)."""
-    return t.state == TrialState.COMPLETE and t.values[0] >= -max_drop
+    """Complete and inside the RULER-drop limit given now (a trial's stored constraint used the limit of its
+    day): the paired delta's CI lower bound is >= -max_drop."""
+    if t.state != TrialState.COMPLETE:
+        return False
+    return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-12  # on the limit passes
 
 
 def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:
@@ -311,6 +323,7 @@ def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
         map_path=t.user_attrs.get("map_path"),
         seconds=t.user_attrs.get("seconds"),
         metrics=metrics,
+        ruler_ci=t.user_attrs.get("ruler_ci"),
     )
 
 
@@ -325,7 +338,8 @@ def sync(recorder: Recorder, study: optuna.Study, max_drop: float) -> int:
 
 
 def ruler_delta(trial_scores: dict, exact_scores: dict) -> float:
-    """Mean over tasks x lengths of (trial score - exact score), in RULER points."""
+    """Mean over tasks x lengths of (trial score - exact score), in RULER points (unpaired cells: use
+    `paired_delta` when per-sample rows are at hand)."""
     diffs = [
         cell["all"] - exact_scores[task][length]["all"]
         for task, lengths in trial_scores.items()
@@ -334,6 +348,30 @@ def ruler_delta(trial_scores: dict, exact_scores: dict) -> float:
     if not diffs:
         raise ValueError("no RULER scores to compare (every task unavailable at these lengths?)")
     return sum(diffs) / len(diffs)
+
+
+SAMPLE_KEYS = ("task", "length", "index", "region", "score")
+
+
+def sample_rows(plan: str, rows: Sequence[dict]) -> list[dict]:
+    """Per-sample outcomes of one plan, trimmed to what pairing needs (no prompts, predictions or answers)."""
+    return [{"plan": plan, **{k: r[k] for k in SAMPLE_KEYS}} for r in rows]
+
+
+def paired_delta(trial_rows: Sequence[dict], exact_rows: Sequence[dict], seed: int = 0) -> dict:
+    """The trial's RULER delta paired against exact on the same samples: the mean over tasks x lengths of
+    each cell's mean sample delta, with its 95% bootstrap CI (resampled within cells) and n pairs.
+
+    {"mean", "lo", "hi", "n", "cells"}; raises when no sample of the trial has an exact partner.
+    """
+    from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair
+
+    rows = sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows)
+    cells = pair(rows, "trial", "exact")
+    if not cells:
+        raise ValueError("no RULER sample of the trial has an exact partner (different tasks, lengths or seed?)")
+    est = bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed)
+    return {"mean": est.mean, "lo": est.lo, "hi": est.hi, "n": est.n, "cells": len(cells)}
 
 
 def ruler_rows(plan: str, scores: dict) -> list[tuple]:
@@ -372,17 +410,19 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     """Markdown: every complete trial, Pareto members and the chosen one marked."""
     on_front = {t.number for t in front(trials, max_drop)}
     lines = [
-        f"Constraint: RULER drop <= {max_drop:g} points. `*` Pareto front, `**` chosen.",
+        f"Constraint: the 95% CI lower bound of the paired RULER delta >= -{max_drop:g} points. "
+        "`*` Pareto front, `**` chosen.",
         "",
-        "| trial | split | lambda | tail | share | RULER delta | TTFT speed-up | dNLL | feasible | |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | dNLL | feasible | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number):
-        p, d = params_of(t), t.user_attrs.get("dnll")
+        p, d, ci = params_of(t), t.user_attrs.get("dnll"), t.user_attrs.get("ruler_ci")
         mark = "**" if chosen is not None and t.number == chosen.number else ("*" if t.number in on_front else "")
+        band = f"[{ci['lo']:+.1f}, {ci['hi']:+.1f}] ({ci['n']})" if ci else "-"
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
-            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {t.values[1]:.3f}x | "
+            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {t.values[1]:.3f}x | "
             f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t, max_drop) else 'no'} | {mark} |"
         )
     return "\n".join(lines)
@@ -467,19 +507,20 @@ def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
 
 
 def run_ruler_plan(model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
-    """RULER scores {task: {length: cell}} of one plan on the study's tasks, lengths and samples; on vLLM
+    """One plan on the study's RULER tasks, lengths and samples: {"scores": {task: {length: cell}},
+    "samples": per-sample rows (`sample_rows`) for pairing, "skipped": tasks unavailable at a length}. On vLLM
     only the exact plan (the baseline, stock vLLM): a trial's plan runs in `run_trial_vllm`."""
     if engine == "vllm":
         if plan.mode != "exact":
             raise ValueError("on vLLM a trial's RULER and TTFT share one engine: use run_trial_vllm")
-        job = vllm_job(model, dtype, ruler=r)
-        return run_vllm_job(job)["ruler"]["scores"].get("p", {})
+        return ruler_result(run_vllm_job(vllm_job(model, dtype, ruler=r))["ruler"])
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.evals.ruler_run import run_ruler
 
     hay = load_haystack(r.haystack)
-    out = run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, r.samples, r.seed, False)
-    return out["scores"].get("p", {})
+    return ruler_result(
+        run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, r.samples, r.seed, False)
+    )
 
 
 def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tuple]]:
@@ -567,9 +608,15 @@ def run_vllm_job(job: dict) -> dict:
 
 def run_trial_vllm(model, plan, cfg: Study) -> dict:
     """One engine per trial serves its RULER (every sample of a task x length in one batch) and its paired
-    TTFT: {"ruler": {task: {length: cell}}, "ttft": {length: paired_ttft result}}."""
+    TTFT: {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result}}."""
     out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, cfg.objectives.ttft))
-    return {"ruler": out["ruler"]["scores"].get("p", {}), "ttft": out["ttft"]}
+    return {"ruler": ruler_result(out["ruler"]), "ttft": out["ttft"]}
+
+
+def ruler_result(out: dict) -> dict:
+    """Plan "p" of a `run_ruler`/`run_ruler_vllm` result, in `run_ruler_plan`'s shape."""
+    samples = sample_rows("p", [s for s in out["samples"] if s["plan"] == "p"])
+    return {"scores": out["scores"].get("p", {}), "samples": samples, "skipped": out["skipped"]}
 
 
 def run_ttft_vllm(model, plan, cfg: Study) -> dict:

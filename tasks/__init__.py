@@ -128,30 +128,33 @@ def fit(capture_path: str, path: str, dtype: str, device: str, params: dict, out
 def exact_ruler(
     fingerprint: str, path: str, dtype: str, device: str, ruler: dict, inputs_sha: str, engine: str = "transformers"
 ) -> dict:
-    """The exact baseline's RULER scores, computed once per model weights, RULER settings, engine and
-    `inputs_sha` (haystack text and RULER code: `tuning.ruler_inputs_sha`)."""
+    """The exact baseline's RULER scores and per-sample rows (for pairing), computed once per model weights,
+    RULER settings, engine and `inputs_sha` (haystack text and RULER code: `tuning.ruler_inputs_sha`)."""
     from ridgefill.runtime import FillPlan
     from ridgefill.study import Ruler
 
     lm, tok = model(path, dtype, device)
-    return tuning.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
+    out = tuning.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
+    return {"scores": out["scores"], "samples": out["samples"]}
 
 
 @task(cache_policy=NO_CACHE)
 def evaluate(
-    path: str, dtype: str, device: str, params: dict, map_path: str, exact: dict, cfg: Study, scores: dict | None = None
+    path: str, dtype: str, device: str, params: dict, map_path: str, exact: dict, cfg: Study, ruler: dict | None = None
 ) -> dict:
-    """RULER delta vs the exact baseline and dNLL of the trial's plan, with metric rows (`scores`: RULER
-    already measured on vLLM; dNLL stays on transformers)."""
+    """RULER delta paired against the exact baseline (mean and 95% CI) and dNLL of the trial's plan, with
+    metric rows (`ruler`: already measured on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers)."""
     lm, tok = model(path, dtype, device)
     plan = tuning.plan_for(tuning.Params(**params), map_path, lm, tok)
-    if scores is None:
-        scores = tuning.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
+    if ruler is None:
+        ruler = tuning.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
+    paired = tuning.paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
     dnll, nll_rows = tuning.run_nll(lm, tok, plan, cfg)
     return {
-        "ruler_delta": tuning.ruler_delta(scores, exact),
+        "ruler_delta": paired["mean"],
+        "ruler_ci": {k: paired[k] for k in ("lo", "hi", "n")},
         "dnll": dnll,
-        "rows": tuning.ruler_rows("trial", scores) + nll_rows,
+        "rows": tuning.ruler_rows("trial", ruler["scores"]) + nll_rows,
     }
 
 
@@ -184,7 +187,7 @@ def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> 
     else:
         ev = evaluate(*m, params, folder, exact, cfg)
         tt = measure_ttft(*m, params, folder, cfg)
-    return tuning.Outcome(ev["ruler_delta"], tt["speedup"], ev["dnll"], folder, ev["rows"] + tt["rows"])
+    return tuning.Outcome(ev["ruler_delta"], tt["speedup"], ev["dnll"], folder, ev["rows"] + tt["rows"], ev["ruler_ci"])
 
 
 @task(cache_policy=NO_CACHE)
@@ -228,12 +231,40 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
 
 @task(cache_policy=NO_CACHE)
 def record_baseline(recorder: Recorder, study_name: str, exact: dict) -> None:
-    recorder.baseline(study_name, tuning.ruler_rows("exact", exact))
+    recorder.baseline(study_name, tuning.ruler_rows("exact", exact["scores"]))
+
+
+@task(cache_policy=NO_CACHE)
+def certify_map(recorder: Recorder, study_name: str, trial, ctx: dict, exact: dict, cfg: Study) -> dict:
+    """The chosen map on the study's `certify` benchmark, paired against `exact` (that benchmark's cached
+    exact run): its certificate, for `certify.gate` to record. One already recorded for the same map,
+    settings, inputs and limit is reused, so a rerun does not pay for it again."""
+    import time
+
+    from ridgefill import certify
+    from ridgefill.evals.ruler import load_haystack
+    from ridgefill.maps import sha256_file
+
+    spec, drop = cfg.certify, cfg.certify_drop
+    mp = trial.user_attrs["map_path"]
+    key = certify.key_of(spec, drop, ctx["certify_inputs"], sha256_file(Path(mp) / "ridgefill.json"))
+    if (old := recorder.certified(study_name, trial.number)) is not None and old.get("key") == key:
+        return old
+    lm, tok = model(ctx["path"], cfg.model.dtype, cfg.hardware.device)
+    t0 = time.time()
+    plan = tuning.plan_for(tuning.Params(**tuning.params_of(trial)), mp, lm, tok)
+    run = tuning.run_ruler_plan(lm, tok, plan, spec.ruler())
+    words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
+    hay = certify.haystack_label(spec.haystack, words)
+    return certify.certificate(
+        study_name, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, time.time() - t0
+    )
 
 
 __all__ = [
     "BASELINE",
     "capture",
+    "certify_map",
     "corpus_sha",
     "evaluate",
     "exact_ruler",

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from huggingface_hub import ModelCard
 
+from registry import LocalBackend
 from ridgefill.maps import MANIFEST, read_manifest, verify_files
 from ridgefill.results import query
 from tests.prefect_server import PREFECT, cli, prefect_server, stop  # noqa: F401  (prefect_server: the fixture)
@@ -29,6 +31,7 @@ TINY = {
     },
     "budget": {"trials": 2},
     "hardware": {"threads": 1},
+    "certify": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 2, "max_drop": 100.0},
 }
 pytestmark = pytest.mark.slow
 
@@ -81,7 +84,7 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     assert [r["state"]["type"] for r in runs] == ["COMPLETED", "COMPLETED"]
     assert _task_states(env, runs[0]["id"], "capture") == ["Completed"]
     assert _task_states(env, runs[1]["id"], "capture") == ["Cached"]  # no recapture on a rerun
-    assert _task_states(env, runs[1]["id"], "exact_ruler") == ["Cached"]
+    assert _task_states(env, runs[1]["id"], "exact_ruler") == ["Cached", "Cached"]  # the objective's and certify's
     assert _task_states(env, runs[1]["id"], "run_trial") == []  # the budget was spent by the first run
 
     _, trials = query(db, "SELECT trial, state, split, lam, ruler_delta, speedup FROM trials ORDER BY trial")
@@ -104,11 +107,20 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     assert (report / "pareto.png").stat().st_size > 1000 and "**" in (report / "pareto.md").read_text()
     arts = httpx.post(env["PREFECT_API_URL"] + "/artifacts/filter", json={}).json()
     assert {f"{name}-pareto", f"{name}-pareto-plot"} <= {a["key"] for a in arts}
+    # the chosen map was certified (paired against exact on certify's samples) before it was published
+    _, certs = query(db, "SELECT trial, passed, n, tasks FROM certifications")
+    assert certs == [(best[0][1], True, 2, '["niah_single_1"]')]
     # the first run published the chosen map to the local registry, pulled it back and served it
     _, pubs = query(db, "SELECT repo_id, revision, commit_sha FROM publications")
     assert len(pubs) == 1 and pubs[0][1] == name
+    card = ModelCard.load(LocalBackend(registry_dir).download(pubs[0][0], name) / "README.md").data.to_dict()
+    [certified] = [r for r in card["model-index"][0]["results"] if r["dataset"].get("config") == "certify"]
+    args = certified["dataset"]["args"]
+    assert args["tasks"] == ["niah_single_1"] and args["lengths"] == [512] and args["samples"] == 2
+    assert {m["name"]: m["value"] for m in certified["metrics"]}["n"] == 2
     wlog = (tmp_path / "worker.log").read_text()
     assert "pulled back and served" in wlog
     # progress: stage lines and one line per trial, in the flow run's log (the worker prints it)
-    assert "[1/6] model: HuggingFaceTB/SmolLM2-135M-Instruct" in wlog and "[5/6] select:" in wlog
+    assert "[1/7] model: HuggingFaceTB/SmolLM2-135M-Instruct" in wlog and "[5/7] select:" in wlog
+    assert "[6/7] certify:" in wlog
     assert len(re.findall(r"trial [12]/2 \(#[01]\): split (?:18|20), lambda \S+, tail (?:32|64), ", wlog)) == 2

@@ -145,7 +145,7 @@ def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_pa
 
     for p, out in zip(procs, outs, strict=True):
         # stage lines, Prefect's task names, one line per trial this run finished, then the table and paths
-        assert all(f"[{k}/6]" in out for k in range(1, 7)), out[-4000:]
+        assert all(f"[{k}/7]" in out for k in range(1, 8)), out[-4000:]
         assert "Task run 'run_trial-" in out and "Task run 'capture-" in out
         mine = sorted(t.number for t in trials if t.user_attrs["owner"].endswith(f":{p.pid}"))
         lines = TRIAL_LINE.findall(out)

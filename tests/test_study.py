@@ -68,3 +68,43 @@ def test_overrides_deep_merge():
     s = load_study(STUDIES / "smollm2-135m.yaml", {"budget": {"trials": 2}, "objectives": {"ttft": {"repeats": 1}}})
     assert (s.budget.trials, s.objectives.ttft.repeats, s.budget.seed) == (2, 1, 0)
     assert s.objectives.ttft.lengths == [2048]
+
+
+def test_smollm2_objective_covers_the_task_families_and_certifies():
+    """Single needle, multikey, multivalue/multiquery and an aggregation or tracing task, in the objective and
+    in the certification, which runs more samples than a trial does."""
+    s = load_study(STUDIES / "smollm2-135m.yaml")
+    for tasks in (s.objectives.ruler.tasks, s.certify.tasks):
+        assert any(t.startswith("niah_single") for t in tasks)
+        assert any(t.startswith("niah_multikey") for t in tasks)
+        assert {"niah_multivalue", "niah_multiquery"} & set(tasks)
+        assert {"cwe", "fwe", "vt"} & set(tasks)
+    pairs = lambda r: len(r.tasks) * len(r.lengths) * r.samples  # noqa: E731
+    assert pairs(s.certify) > pairs(s.objectives.ruler) and s.certify.seed != s.objectives.ruler.seed
+    assert s.certify_drop == s.constraints.max_ruler_drop if s.certify.max_drop is None else s.certify.max_drop
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"certify": {"tasks": ["niah_single_9"]}}, "certify.tasks", "unknown RULER task"),
+        ({"certify": {"samples": 0}}, "certify.samples", "greater than 0"),
+        ({"certify": {"max_drop": -1}}, "certify.max_drop", "greater than or equal to 0"),
+        ({"certify": {"lengths": [200]}}, "search.tails", "no bulk rows"),  # the certify lengths count too
+    ],
+)
+def test_bad_certify_section_names_the_field(tmp_path, change, field, words):
+    data = merge(yaml.safe_load((STUDIES / "smollm2-135m.yaml").read_text()), change)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(StudyError) as e:
+        load_study(path)
+    assert f"{path}: {field}" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_certify_section_is_optional_and_defaults_to_the_tuning_limit():
+    s = load_study(STUDIES / "smollm2-135m.yaml", {"certify": None})
+    assert s.certify is None and s.certify_drop == s.constraints.max_ruler_drop
+    s = load_study(STUDIES / "smollm2-135m.yaml", {"certify": {"max_drop": None}})
+    assert s.certify_drop == s.constraints.max_ruler_drop
+    assert s.certify.ruler().model_dump().keys() == s.objectives.ruler.model_dump().keys()

@@ -343,3 +343,71 @@ def test_two_processes_record_into_one_file_in_turns(tmp_path):
     assert proc.wait(timeout=120) == 0
     counts = dict(query(db, "SELECT study, count(*) FROM trials GROUP BY study")[1])
     assert counts == {"mine": 30, "other": 30}
+
+
+def test_constraint_is_the_paired_ci_lower_bound(tmp_path):
+    """A trial whose mean loss is small but whose CI reaches past the limit is infeasible; the CI (lo, hi, n)
+    is kept in the trial's user attrs and in DuckDB."""
+    cfg, study = _study(tmp_path, trials=3)
+    cis = {0: (-2.0, -DROP - 5, 1.0), 1: (-5.0, -DROP + 2, 0.0), 2: (0.0, 0.0, 0.0)}  # mean, lo, hi
+
+    def evaluate(batch):
+        outs = []
+        for n, _ in batch:
+            mean, lo, hi = cis[n]
+            outs.append(tuning.Outcome(mean, 1.0 + n / 10, None, f"maps/{n}", [], {"lo": lo, "hi": hi, "n": 24}))
+        return outs
+
+    db = tmp_path / "r.duckdb"
+    with Recorder(db) as rec:
+        tuning.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
+    trials = study.trials
+    assert [tuning.feasible(t, DROP) for t in trials] == [False, True, True]
+    assert trials[0].constraints == {"ruler_drop": pytest.approx(5.0)}  # > 0: violated
+    assert trials[1].user_attrs["ruler_ci"] == {"lo": -DROP + 2, "hi": 0.0, "n": 24}
+    assert tuning.choose(trials, DROP).number == 2 and 0 not in [t.number for t in tuning.front(trials, DROP)]
+    rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_ci_hi, ruler_n, feasible FROM trials ORDER BY 1")
+    lo0, lo1 = -DROP - 5, -DROP + 2
+    assert rows[1] == [(0, -2.0, lo0, 1.0, 24, False), (1, -5.0, lo1, 0.0, 24, True), (2, 0.0, 0.0, 0.0, 24, True)]
+    md = tuning.table(trials, None, DROP)
+    assert "95% CI lower bound" in md and f"[{lo0:+.1f}, +1.0] (24)" in md
+
+
+def test_paired_delta_pairs_sample_by_sample():
+    def rows(plan_scores):
+        return [
+            {"plan": "x", "task": t, "length": 1024, "index": i, "region": "bulk", "score": s, "prediction": "..."}
+            for t, ss in plan_scores.items()
+            for i, s in enumerate(ss)
+        ]
+
+    exact = rows({"a": [100.0, 100.0, 0.0, 100.0], "b": [100.0, 0.0]})
+    trial = rows({"a": [100.0, 0.0, 100.0], "b": [0.0, 0.0, 100.0]})  # a: 3 of exact's 4; b: one unpaired extra
+    d = tuning.paired_delta(trial, exact)
+    assert d["n"] == 5 and d["cells"] == 2
+    assert d["mean"] == pytest.approx(((0 - 100 + 100) / 3 + (-100 + 0) / 2) / 2)
+    assert d["lo"] <= d["mean"] <= d["hi"]
+    assert tuning.paired_delta(exact, exact) == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 6, "cells": 2}
+    with pytest.raises(ValueError, match="no RULER sample of the trial has an exact partner"):
+        tuning.paired_delta(rows({"c": [1.0]}), exact)
+    assert "prediction" not in tuning.sample_rows("trial", trial)[0]  # what Optuna and DuckDB keep stays small
+
+
+def test_an_older_results_file_gains_the_new_columns(tmp_path):
+    """A results file written before the CI columns and the certifications table opens and takes new rows."""
+    import duckdb
+
+    db = tmp_path / "old.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute(
+            "CREATE TABLE trials (study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, "
+            "share DOUBLE, sink INTEGER, ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, "
+            "map_path TEXT, params JSON, seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, "
+            "PRIMARY KEY (study, trial))"
+        )
+        con.execute("INSERT INTO trials (study, trial, state, ruler_delta) VALUES ('s', 0, 'COMPLETE', -1.0)")
+    with Recorder(db) as rec:
+        rec.trials([TrialRecord("s", 1, "COMPLETE", {"split": 3}, -2.0, 1.1, ruler_ci={"lo": -9.0, "hi": 1.0, "n": 8})])
+    rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_n FROM trials ORDER BY trial")[1]
+    assert rows == [(0, -1.0, None, None), (1, -2.0, -9.0, 8)]
+    assert query(db, "SELECT count(*) FROM certifications")[1] == [(0,)]

@@ -1,0 +1,147 @@
+"""Certify a chosen map before it is published: a fuller RULER run, paired against exact on the same samples.
+
+Why: the tuner sees few samples of few tasks per trial, so the map it chooses is the best of many noisy
+looks. The study's `certify` section (tasks, lengths, samples, haystack, seed) scores that one map and the
+exact baseline on the same prompts; the map passes when the 95% bootstrap CI lower bound of its mean paired
+delta (per task and length, then averaged, as RULER averages tasks) is >= -max_drop. The certificate, pass
+or fail, is recorded in DuckDB; only a passing map goes on to the registry, and its card carries the
+certified numbers with n, CI and what was run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from ridgefill.study import Certify
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAP, EXACT = "map", "exact"
+TOL = 1e-12  # a bound that lands on the limit (a mean of whole-sample losses) passes, whatever the rounding
+
+
+def rule(max_drop: float) -> str:
+    return f"95% bootstrap CI lower bound of the mean paired RULER delta vs exact >= -{max_drop:g} points"
+
+
+def haystack_label(source: str | list[str], words_sha: str) -> str:
+    """What the card may say about the haystack: its name (never a local path) and its words' hash."""
+    if source == "pydoc":
+        name = "pydoc (Python's own documentation)"
+    else:
+        files = [source] if isinstance(source, str) else source
+        name = ", ".join(Path(f).name for f in files)
+    return f"{name}, words sha256 {words_sha[:12]}"
+
+
+def key_of(spec: Certify, max_drop: float, inputs_sha: str, manifest_sha: str | None) -> str:
+    """What a certificate depends on: the map, the benchmark settings, their inputs and the limit."""
+    blob = json.dumps([spec.ruler().model_dump(), max_drop, inputs_sha, manifest_sha], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def certificate(
+    study: str,
+    trial: int,
+    spec: Certify,
+    max_drop: float,
+    map_rows: Sequence[dict],
+    exact_rows: Sequence[dict],
+    haystack: str,
+    key: str = "",
+    seconds: float | None = None,
+) -> dict:
+    """Judge one map on per-sample rows (task, length, index, region, score) of it and of exact.
+
+    Returns the certificate: pass/fail, the rule, the overall paired delta with its CI and n, the per-task
+    deltas (CI, McNemar p), the filled-region breakdown, and the tasks, lengths, samples, haystack and seed.
+    """
+    from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair, paired_summary, region_breakdown
+    from ridgefill.tuning import sample_rows
+
+    rows = sample_rows(MAP, map_rows) + sample_rows(EXACT, exact_rows)
+    cells = pair(rows, MAP, EXACT)
+    if not cells:
+        raise ValueError("certification: no sample of the map has an exact partner (different settings?)")
+    overall = bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=spec.seed)
+    summary = paired_summary(rows, MAP, EXACT, seed=spec.seed)
+    per_task = [
+        {"task": task, "length": length, **_est(c["delta"]), "score": c["score"], "exact": c["reference"], "p": c["p"]}
+        for (task, length), c in sorted(summary["tasks"].items())
+    ]
+    per_length = {
+        str(length): {**_est(c["delta"]), "score": c["score"], "exact": c["reference"]}
+        for length, c in summary["overall"].items()
+    }
+    return {
+        "study": study,
+        "trial": trial,
+        "passed": bool(overall.lo >= -max_drop - TOL),
+        "rule": rule(max_drop),
+        "max_drop": max_drop,
+        "delta": overall.mean,
+        "ci_lo": overall.lo,
+        "ci_hi": overall.hi,
+        "n": overall.n,
+        "score": float(sum(p.mean() for p, _ in cells.values()) / len(cells)),
+        "exact": float(sum(e.mean() for _, e in cells.values()) / len(cells)),
+        "tasks": sorted({t for t, _ in cells}),
+        "lengths": sorted({n for _, n in cells}),
+        "samples": spec.samples,
+        "haystack": haystack,
+        "seed": spec.seed,
+        "per_task": per_task,
+        "per_length": per_length,
+        "regions": region_breakdown(rows, MAP, EXACT),
+        "key": key,
+        "seconds": seconds,
+    }
+
+
+def _est(e) -> dict:
+    return {"delta": e.mean, "ci_lo": e.lo, "ci_hi": e.hi, "n": e.n}
+
+
+def metric_rows(cert: dict) -> list[tuple]:
+    """Metric rows (kind 'certify', plan, task, length, region, value, n) of a certificate."""
+    rows = []
+    for c in cert["per_task"]:
+        rows += [
+            ("certify", MAP, c["task"], c["length"], "all", c["score"], c["n"]),
+            ("certify", EXACT, c["task"], c["length"], "all", c["exact"], c["n"]),
+            ("certify", "delta", c["task"], c["length"], "all", c["delta"], c["n"]),
+            ("certify", "delta", c["task"], c["length"], "ci_lo", c["ci_lo"], c["n"]),
+            ("certify", "delta", c["task"], c["length"], "ci_hi", c["ci_hi"], c["n"]),
+            ("certify", "delta", c["task"], c["length"], "mcnemar_p", c["p"], c["n"]),
+        ]
+    for region, r in cert["regions"].items():
+        rows += [
+            ("certify", MAP, "all", 0, region, r["score"], r["n"]),
+            ("certify", EXACT, "all", 0, region, r["reference"], r["n"]),
+        ]
+    return rows
+
+
+def summary_line(cert: dict) -> str:
+    verdict = "passed" if cert["passed"] else "FAILED"
+    return (
+        f"certification {verdict}: {cert['study']} trial {cert['trial']}: RULER delta {cert['delta']:+.1f} "
+        f"[{cert['ci_lo']:+.1f}, {cert['ci_hi']:+.1f}] (n={cert['n']}; {', '.join(cert['tasks'])} at "
+        f"{', '.join(map(str, cert['lengths']))}; haystack {cert['haystack']}); rule: {cert['rule']}"
+    )
+
+
+def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger | None = None) -> T | None:
+    """Record the certificate (pass or fail), then publish only a map that passed; returns what `publish` gave."""
+    logger = logger or log
+    recorder.certification(cert, metric_rows(cert))
+    if not cert["passed"]:
+        logger.error("%s; not published", summary_line(cert))
+        return None
+    logger.info("%s", summary_line(cert))
+    return publish()

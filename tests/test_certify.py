@@ -1,0 +1,154 @@
+"""Certification before publishing: the certificate on known rows, the gate (a failing map is recorded and
+never published; a passing one is published with certified numbers, n, CI and what was run in its card's
+model-index), the registry's own refusal, and one real small run on SmolLM2."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from huggingface_hub import ModelCard
+
+import registry
+from registry import LocalBackend, RegistryError, pull
+from ridgefill import certify, tuning
+from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill.study import Certify
+from tests.test_registry import make_maps
+
+SPEC = Certify(tasks=["niah_single_1", "niah_multikey_1"], lengths=[2048], samples=10, haystack="pydoc", seed=3)
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def rows(scores: dict[str, list[float]], length: int = 2048, region: str = "bulk") -> list[dict]:
+    """Per-sample rows as `tuning.run_ruler_plan` gives them."""
+    return [
+        {"plan": "p", "task": t, "length": length, "index": i, "region": region, "score": s}
+        for t, ss in scores.items()
+        for i, s in enumerate(ss)
+    ]
+
+
+EXACT = rows({"niah_single_1": [100.0] * 10, "niah_multikey_1": [100.0] * 5 + [0.0] * 5})
+GOOD = rows({"niah_single_1": [100.0] * 10, "niah_multikey_1": [100.0] * 5 + [0.0] * 4 + [100.0]})  # one gain
+BAD = rows({"niah_single_1": [100.0] * 6 + [0.0] * 4, "niah_multikey_1": [0.0] * 10})  # loses 9 of 15 solved
+
+
+def cert_of(map_rows, max_drop=5.0, trial=0):
+    return certify.certificate("smol", trial, SPEC, max_drop, map_rows, EXACT, "pydoc (test)", key="k")
+
+
+def test_certificate_on_known_rows():
+    good, bad = cert_of(GOOD), cert_of(BAD)
+    assert good["passed"] and not bad["passed"]
+    assert good["n"] == bad["n"] == 20 and good["tasks"] == ["niah_multikey_1", "niah_single_1"]
+    assert good["delta"] == pytest.approx(5.0)  # (0 + 10) / 2: tasks weigh the same
+    assert bad["delta"] == pytest.approx((-40.0 - 50.0) / 2)
+    assert bad["ci_lo"] <= bad["delta"] <= bad["ci_hi"] and bad["ci_lo"] < -5.0
+    assert good["ci_lo"] >= -5.0  # one gain, no loss: the interval never goes below 0
+    by_task = {c["task"]: c for c in bad["per_task"]}
+    assert by_task["niah_single_1"]["delta"] == pytest.approx(-40.0) and by_task["niah_single_1"]["n"] == 10
+    assert by_task["niah_multikey_1"]["p"] == pytest.approx(2 * 0.5**5)  # 5 worse, 0 better: exact McNemar
+    assert bad["regions"]["bulk"]["n"] == 20 and bad["score"] == pytest.approx(30.0)
+    assert bad["exact"] == pytest.approx(75.0) and bad["samples"] == 10 and bad["haystack"] == "pydoc (test)"
+    assert "-5" in bad["rule"] and "FAILED" in certify.summary_line(bad)
+    # the limit decides: the same rows pass a loose rule
+    assert cert_of(BAD, max_drop=100.0)["passed"]
+    with pytest.raises(ValueError, match="no sample of the map has an exact partner"):
+        certify.certificate("s", 0, SPEC, 5.0, rows({"vt": [0.0]}), EXACT, "x")
+
+
+def test_haystack_label_never_names_a_local_path():
+    label = certify.haystack_label(["/home/someone/essays/a.txt", "/home/someone/essays/b.txt"], "ab" * 32)
+    assert label.startswith("a.txt, b.txt") and "/home" not in label and "abababababab" in label
+    assert certify.haystack_label("pydoc", "0" * 64).startswith("pydoc")
+
+
+@pytest.fixture
+def chosen(tiny_models, tokenizer, tmp_path, monkeypatch):
+    """A results file with a study whose chosen map (a real map folder) awaits certification."""
+    monkeypatch.setenv("RIDGEFILL_REGISTRY", str(tmp_path / "reg"))
+    monkeypatch.delenv("RIDGEFILL_REPO", raising=False)
+    folder = make_maps(tiny_models["llama"], tokenizer, tmp_path / "maps")
+    db = tmp_path / "ridgefill.duckdb"
+    with Recorder(db) as rec:
+        rec.study("smol", BASE, "embedded", "fp", "transformers", 5.0, {})
+        metrics = [("ruler", "trial", "niah_single_1", 1024, "all", 100.0, 6)]
+        ci = {"lo": 0.0, "hi": 0.0, "n": 6}
+        rec.trials([TrialRecord("smol", 2, "COMPLETE", {"split": 2}, 0.0, 1.3, None, True, str(folder), 1.0,
+                                metrics, ci)])  # fmt: skip
+        rec.maps([("smol", 2, BASE, str(folder), "sha", 2, 1e-3, 8, 0.0, 0.0, 1.3)], "smol", 2)
+    return db, folder
+
+
+def _publish(db, folder):
+    return lambda: registry.publish_best(db=db, study="smol", map_path=str(folder))
+
+
+def test_gate_refuses_a_failing_map(chosen, caplog):
+    db, folder = chosen
+    asked = []
+
+    def publish():
+        asked.append(True)
+        return _publish(db, folder)()
+
+    with Recorder(db) as rec, caplog.at_level(logging.ERROR, logger="ridgefill.certify"):
+        assert certify.gate(rec, cert_of(BAD, trial=2), publish) is None
+        assert rec.certified("smol", 2)["passed"] is False
+    assert asked == []  # the upload was never attempted
+    assert "certification FAILED: smol trial 2" in caplog.text and "not published" in caplog.text
+    assert query(db, "SELECT passed, n, ci_lo < -5 FROM certifications")[1] == [(False, 20, True)]
+    assert query(db, "SELECT count(*) FROM metrics WHERE kind = 'certify' AND plan = 'delta'")[1] == [(4 * 2,)]
+    assert query(db, "SELECT count(*) FROM best_map")[1] == [(0,)]  # a failed map is never the one to serve
+    assert LocalBackend().list() == []
+    # nor can it be published by hand: the registry reads the record and refuses before any upload
+    with pytest.raises(RegistryError, match="failed its certification"):
+        _publish(db, folder)()
+    assert LocalBackend().list() == []
+    with Recorder(db) as rec:  # a replay of the trial (a resumed study's sync) keeps the certificate's rows
+        rec.trials([TrialRecord("smol", 2, "COMPLETE", {"split": 2}, 0.0, 1.3, map_path=str(folder))])
+    assert query(db, "SELECT count(*) FROM metrics WHERE kind = 'certify' AND plan = 'delta'")[1] == [(4 * 2,)]
+
+
+def test_gate_publishes_a_passing_map_with_certified_numbers(chosen, tiny_models, tokenizer):
+    db, folder = chosen
+    with Recorder(db) as rec:
+        pub = certify.gate(rec, cert_of(GOOD, trial=2), _publish(db, folder))
+    assert pub is not None and pub.revision == "smol"
+    assert query(db, "SELECT passed FROM certifications")[1] == [(True,)]
+    assert query(db, "SELECT trial FROM best_map")[1] == [(2,)]
+    card = ModelCard.load(pull(pub.repo_id, "smol", tiny_models["llama"], tokenizer) / "README.md")
+    index = card.data.to_dict()["model-index"][0]["results"]
+    [entry] = [r for r in index if r["dataset"].get("config") == "certify"]
+    assert entry["dataset"]["args"] == {
+        "tasks": ["niah_multikey_1", "niah_single_1"], "lengths": [2048], "samples": 10, "haystack": "pydoc (test)",
+        "seed": 3,
+    }  # fmt: skip
+    m = {x["name"]: x for x in entry["metrics"]}
+    assert m["delta"]["value"] == pytest.approx(5.0) and m["n"]["value"] == 20
+    assert m["delta"]["args"]["n"] == 20 and m["delta"]["args"]["ci95"] == [m["delta_ci95_low"]["value"],
+                                                                             m["delta_ci95_high"]["value"]]  # fmt: skip
+    assert m["niah_multikey_1/2048/delta"]["args"]["n"] == 10 and "mcnemar_p" in m["niah_multikey_1/2048/delta"]["args"]
+    assert "Certified before publishing on RULER niah_multikey_1, niah_single_1 at 2048" in card.text
+    assert "n = 20" in card.text and "| niah_single_1 | 2048 |" in card.text and "Small n" in card.text
+
+
+@pytest.mark.slow
+def test_real_small_certification_on_smollm2(smollm2):
+    """Real generations: plumb mode reproduces exact, so it certifies at delta 0 with a zero-width CI; identity
+    fill from a low split is judged on its own paired rows, by the same rule."""
+    from ridgefill.runtime import FillPlan
+
+    model, tok = smollm2
+    spec = Certify(tasks=["niah_single_1"], lengths=[512], samples=2, haystack="pydoc", seed=0)
+    exact = tuning.run_ruler_plan(model, tok, FillPlan(), spec.ruler())["samples"]
+    assert len(exact) == 2
+    for plan in (FillPlan("plumb", split=10, tail=16), FillPlan("identity", split=4, tail=16)):
+        got = tuning.run_ruler_plan(model, tok, plan, spec.ruler())["samples"]
+        cert = certify.certificate("s", 0, spec, 10.0, got, exact, "pydoc")
+        by_hand = sum(g["score"] - e["score"] for g, e in zip(got, exact, strict=True)) / 2
+        assert cert["n"] == 2 and cert["delta"] == pytest.approx(by_hand)
+        assert cert["passed"] == (cert["ci_lo"] >= -10.0)
+        if plan.mode == "plumb":
+            assert cert["delta"] == cert["ci_lo"] == cert["ci_hi"] == 0.0 and cert["passed"]
