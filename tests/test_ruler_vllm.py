@@ -102,7 +102,8 @@ def assert_same_predictions(got: list[dict], ref: list[dict], plan: str) -> None
 def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
     scores, out = baseline
     assert out["ridgefill_active"] is False and out["ruler"]["skipped"] == []
-    assert scores == out["ruler"]["scores"]["p"] and set(scores) == set(cfg.objectives.ruler.tasks)
+    assert scores["scores"] == out["ruler"]["scores"]["p"] and set(scores["scores"]) == set(cfg.objectives.ruler.tasks)
+    assert len(scores["samples"]) == len(out["ruler"]["samples"])  # per-sample rows for the paired delta
     assert_same_predictions(out["ruler"]["samples"], setup["ref"]["samples"], "exact")
 
 
@@ -118,7 +119,7 @@ def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, 
     stock = {(r["task"], r["index"]): r["margins"][0] for r in baseline[1]["ruler"]["samples"]}
     moved = [abs(r["margins"][0] - stock[(r["task"], r["index"])]) for r in rows]
     assert max(moved) > MOVED, moved  # the map was served: stock vLLM's first-token margins moved
-    assert res["ruler"] == out["ruler"]["scores"]["p"]
+    assert res["ruler"]["scores"] == out["ruler"]["scores"]["p"] and len(res["ruler"]["samples"]) == len(rows)
     ttft = res["ttft"]["512"]
     assert ttft["tokens"] == 512 and len(ttft["exact_s"]) == len(ttft["fill_s"]) == 1
     assert math.isfinite(tuning.ttft_speedup(res["ttft"])) and tuning.ttft_speedup(res["ttft"]) > 0
