@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from ridgefill import cost
 from ridgefill.capture import stats_bytes
 from ridgefill.cli import app
+from ridgefill.evals.ruler import SPECS
 from ridgefill.study import load_study
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
@@ -104,12 +105,16 @@ def test_smollm2_study_arithmetic():
     stats = 64 * 2 * 508 * 576**2 * 45 / 1e10
     writes = 1 + int((forward + stats) // 300)
     assert e.phases["capture"] == pytest.approx(forward + stats + writes * stats_bytes([15, 18, 20, 22], 30, 576) / 1e9)
-    # RULER: 2 niah tasks x 6 samples at 1K, one at a time, 128 new tokens each, float32
+    # RULER: every task's samples at 1K, one at a time, each task's max_new_tokens, float32
+    r = st.objectives.ruler
+    assert list(r.lengths) == [1024]
+    n = len(r.tasks) * r.samples
+    new = r.samples * sum(SPECS[t].max_new_tokens for t in r.tasks)
     speedup = cost.speedup_bound(sh, 1024, 15, 4 + 256 + int(0.2 * 1024))
     step = cost.decode_step_s(sh, FLAT, 1, 1024, 4)
-    pre = 2 * 6 * cost.prefill_flops(sh, 1024) / 5e10
-    assert e.phases["exact baseline"] == pytest.approx(pre + 2 * 6 * 128 * step)
-    assert e.trial["RULER"] == pytest.approx(pre / speedup + 2 * 6 * 128 * step)
+    pre = n * cost.prefill_flops(sh, 1024) / 5e10
+    assert e.phases["exact baseline"] == pytest.approx(pre + new * step)
+    assert e.trial["RULER"] == pytest.approx(pre / speedup + new * step)
     assert e.trial["engine start"] == 0.0  # the transformers engine starts nothing
     # TTFT: (1 warm-up + 3 repeats) x (exact + fill at the least-saving corner S=22, tail 64) at 2K
     fill = cost.speedup_bound(sh, 2048, 22, 4 + 64)
