@@ -215,11 +215,12 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     worst = min(sp for _, sp in cells)
     late = L - min(s.splits) - 1
     fit = (late * 2 * d**3) / r.host_f64 + late * d * d * 4 / r.disk
-    heldout = 4 * prefill_flops(shape, cal.window) / r.prefill_hf
+    held = min(4, cal.heldout)  # steps.fit_report checks at most 4 held-out windows
+    heldout = held * prefill_flops(shape, cal.window) / r.prefill_hf
     e.trial["fit"] = fit + heldout
     say(
         f"trial fit: {late} late maps (solve + write {late * d * d * 4 / 1e9:.2g} GB) {fit:.1f} s, "
-        f"held-out check (4 windows) {heldout:.1f} s"
+        f"held-out check ({held} windows) {heldout:.1f} s"
     )
     e.trial["engine start"] = base_start
     ruler, lines = _ruler_s(study, shape, r, b, worst)
