@@ -199,7 +199,7 @@ def record_trial(recorder: Recorder, study_name: str, trial, max_drop: float) ->
 @task(cache_policy=NO_CACHE)
 def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
     """Pareto front and chosen map into DuckDB; markdown table and PNG written beside the results."""
-    from ridgefill.maps import sha256_file
+    from ridgefill.maps import MANIFEST, read_manifest
 
     trials = study.get_trials(deepcopy=False)
     max_drop = cfg.constraints.max_ruler_drop  # today's limit, also for trials run under another
@@ -208,7 +208,7 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
     rows = []
     for t in keep.values():
         mp = t.user_attrs.get("map_path")
-        sha = sha256_file(Path(mp) / "ridgefill.json") if mp and Path(mp, "ridgefill.json").is_file() else None
+        sha = read_manifest(Path(mp))["manifest_sha256"] if mp and Path(mp, MANIFEST).is_file() else None
         p = tuning.params_of(t)
         rows.append(
             (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
@@ -284,12 +284,12 @@ __all__ = [
 def serve_pulled(path: str, dtype: str, device: str, publication, local_map: str) -> str:
     """Pull the published map back through the registry (every check), serve a prompt with it, and make
     sure it decodes exactly as the folder that was measured."""
-    from registry import pull
+    from registry import pull_publication
     from ridgefill.maps import load_maps
     from ridgefill.runtime import FillPlan, generate
 
     lm, tok = model(path, dtype, device)
-    pulled = pull(publication.repo_id, publication.revision, lm, tok)
+    pulled = pull_publication(publication, lm, tok)  # its commit, checked against its manifest digest
     ids = torch.tensor([tok(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
     outs = []
     for folder in (pulled, local_map):
