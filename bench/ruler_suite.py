@@ -29,7 +29,7 @@ from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
-from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate
+from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate, prefill
 from ridgefill.steps import load_model
 
 PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
@@ -110,6 +110,10 @@ def main() -> None:
     ap.add_argument("--exact-cache", type=Path, default=Path("bench/results/ruler_exact_cache.json"))
     ap.add_argument("--out", type=Path, required=True, help="stem: writes OUT.jsonl, OUT.json and OUT.md")
     ap.add_argument("--report-only", action="store_true", help="summarise OUT.jsonl without scoring more")
+    ap.add_argument(
+        "--coverage", action="store_true",
+        help="no decoding: how much of each needle each selector protects, for several query/window/layers",
+    )  # fmt: skip
     args = ap.parse_args()
     lengths, counts = args.length or [2048], args.samples or [10]
     if len(counts) == 1:
@@ -125,6 +129,8 @@ def main() -> None:
         raise SystemExit(f"error: --haystack {args.haystack} is not a folder of .txt files; omit it for pydoc")
 
     model, tok = load_model(args.model)
+    if args.coverage:
+        return coverage(args, model, tok, lengths, counts)
     plans = make_plans(args, model, tok)
     rows_path = args.out.with_suffix(".jsonl")
     rows_path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +160,7 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                     cfg = plan_config(plan)
                     if (name, task, length, index, json.dumps(cfg)) in done:
                         continue
-                    key = f"{args.model}:{prompt_key(x.input_ids)}"
+                    key = f"{args.model}:{prompt_key(x.input_ids)}:{x.max_new_tokens}"
                     if name == "exact" and key in cache:
                         out = cache[key]
                     else:
@@ -173,6 +179,60 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                     with rows_path.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"{length} #{index} {task} {name}: {out['score']:.0f} ({out['seconds']}s)", flush=True)
+
+
+SELECTOR_GRID = [("rarity", 0, 0, 0), ("random", 0, 0, 0)] + [
+    ("question", q, w, layers) for q in (32, 64) for w in (2, 4, 8) for layers in (3, 6)
+]
+
+
+def coverage(args, model, tok, lengths, counts) -> None:
+    """Share of needle rows each selector protects at `--share` (one early pass per prompt, no decoding)."""
+    maps = load_maps(args.maps, model, tok)
+    hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
+    tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
+    rows_path = args.out.with_suffix(".coverage.jsonl")
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    for length, n in zip(lengths, counts, strict=True):
+        batches = {t: make_samples(t, tok, length, hay, n, args.seed) for t in tasks}
+        for index in range(n):
+            for task, batch in batches.items():
+                x = batch[index]
+                if region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail) != "bulk":
+                    continue
+                ids = torch.tensor([x.input_ids[:-1]])
+                early = early_pass(model, ids, maps.split, 64, 6)
+                for select, q, w, layers in SELECTOR_GRID:
+                    grid = dict(query=q, window=w, score_layers=layers) if select == "question" else {}
+                    plan = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail - 1, share=args.share,
+                                    select=select, **grid)  # fmt: skip
+                    keep = prefill(model, ids, plan, early).protected
+                    spans = [(s, e) for s, e in x.needle_spans if s < ids.shape[1] - plan.tail]
+                    row = {"task": task, "length": length, "index": index, "select": select, "query": q,
+                           "window": w, "score_layers": layers, "share": args.share,
+                           "needle_rows": fraction_protected(keep, spans),
+                           "whole": [bool(keep[s:e].all()) for s, e in spans]}  # fmt: skip
+                    with rows_path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                print(f"{length} #{index} {task}: done", flush=True)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    lines = [
+        f"share {args.share}, sink {args.sink}, tail {args.tail}; needles in filled rows only",
+        "",
+        "| selector | query | window | layers | prompts | needle rows protected | needles kept whole |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for select, q, w, layers in SELECTOR_GRID:
+        at = [r for r in rows if (r["select"], r["query"], r["window"], r["score_layers"]) == (select, q, w, layers)]
+        if not at:
+            continue
+        whole = [b for r in at for b in r["whole"]]
+        frac = sum(r["needle_rows"] for r in at) / len(at) * 100
+        label = (select, q, w, layers) if select == "question" else (select, "-", "-", "-")
+        lines.append("| {} | {} | {} | {} | ".format(*label) + f"{len(at)} | {frac:.0f}% | {sum(whole)}/{len(whole)} |")
+    md = "\n".join(lines)
+    print(md)
+    args.out.with_suffix(".coverage.md").write_text(md + "\n")
 
 
 def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: list[int]) -> None:
