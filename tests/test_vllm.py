@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from ridgefill.maps import load_maps  # noqa: E402
+from ridgefill.maps import load_maps, write_manifest  # noqa: E402
 from ridgefill.runtime import FillPlan, generate, prefill  # noqa: E402
 from ridgefill.steps import build_maps, run_capture  # noqa: E402
 from tests.conftest import prose_text, tiny_model  # noqa: E402
@@ -133,14 +133,14 @@ def _case(s, prompts, maps=None, chunk=None, **options) -> dict:
 
 
 def _mismatched(maps: str, tmp_path: Path) -> Path:
-    """A copy of the maps whose manifest claims another geometry (hashes still valid)."""
+    """A copy of the maps whose manifest claims another geometry (hashes valid, manifest re-sealed)."""
     bad = tmp_path / "bad-maps"
     bad.mkdir()
     for f in Path(maps).iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     manifest = json.loads((bad / "ridgefill.json").read_text())
-    manifest["model"]["num_layers"] = 6
-    (bad / "ridgefill.json").write_text(json.dumps(manifest))
+    manifest["model"]["num_kv_heads"] = 1
+    write_manifest(bad, manifest)
     return bad
 
 
@@ -149,7 +149,7 @@ def test_plumb_equals_stock_vllm_and_transformers_and_mismatch_serves_stock(setu
     want = generate(s["lm"], torch.tensor([s["prompts"][0]]), FillPlan(), MAX_TOKENS)[0].tolist()
     stock = run_vllm(s["root"], "mismatch", _case(s, s["prompts"][:1], str(_mismatched(s["maps"], tmp_path))))
     assert stock["ridgefill_active"] is False
-    assert "num_layers: maps are for 6, model has 30" in stock["log"] and "serving stock" in stock["log"]
+    assert "num_kv_heads: maps are for 1, model has 3" in stock["log"] and "serving stock" in stock["log"]
     assert stock["results"][0]["tokens"] == want and stock["counters"] is None
     plumb = run_vllm(s["root"], "plumb", _case(s, s["prompts"][:1], s["maps"], chunk=64, mode="plumb"))
     assert plumb["ridgefill_active"] and "RidgeFill: active" in plumb["log"] and plumb["runner_v1"]
