@@ -41,8 +41,9 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 import tasks  # noqa: E402
 from ridgefill import certify, cost, tuning  # noqa: E402
+from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
-from ridgefill.study import Study, find_study, preflight  # noqa: E402
+from ridgefill.study import Study, check_model, find_study, preflight  # noqa: E402
 
 STAGES = 7
 
@@ -152,6 +153,8 @@ def tune(
     if checked:  # a GPU study's estimate needs only its shape: refuse before any download
         _within_budget(cfg, force, log)
     res = tasks.resolve_model(cfg)
+    if cfg.model.shape:  # preflight may have checked the study's declared shape: now the model's own config
+        check_model(cfg, model_config(res["path"]), study)
     spec = cfg.name
     cfg = cfg.model_copy(update={"name": tuning.run_name(spec, res["fingerprint"])})  # per weights
     log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res["revision"], res["path"], cfg.name)

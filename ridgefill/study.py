@@ -236,13 +236,17 @@ def check_model(cfg: Study, config: dict, origin: str = "study") -> None:
 
 def preflight(path: str | Path, overrides: dict | None = None) -> Study:
     """The whole check before Prefect or any model starts: the file, its fields, the model's config.json
-    (layer count, positions) and the files the study names."""
+    (layer count, positions) and the files the study names. A Hub model whose config cannot be read here
+    (offline) is checked against the study's `model.shape`, when it gives one, so that `budget.hours` can
+    still refuse a GPU study before any download."""
     cfg = load_study(path, overrides)
     m = cfg.model
     try:
         config = model_config(m.local if m.local else m.repo, None if m.local else m.revision)
     except InputError as e:
-        raise StudyError(f"{path}: model: {e}") from None
+        if not m.shape:
+            raise StudyError(f"{path}: model: {e}") from None
+        config = dict(m.shape)  # the study's own config sizes: checked again on the model once it is resolved
     check_model(cfg, config, str(path))
     return cfg
 

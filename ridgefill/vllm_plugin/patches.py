@@ -232,19 +232,28 @@ def prefix_cache_rule() -> None:
 
     from ridgefill.vllm_plugin import prefix_cache as pc
 
+    def policy_of(core):
+        """The engine's cache policy, made once: the model's word where it runs here, else the config's.
+        Made on first use too, because EngineCore.__init__ itself loads the plugins: in a fresh engine
+        process this patch lands after that first __init__ has begun, and its wrapper never runs."""
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is None:
+            return None
+        if not hasattr(scheduler, "ridgefill_cache"):
+            model = _in_process_model(getattr(core, "model_executor", None))
+            scheduler.ridgefill_cache = pc.engine_policy(core.vllm_config, model)
+        return scheduler.ridgefill_cache
+
     def make_init(original):
         def __init__(self, vllm_config, *args, **kwargs):
             original(self, vllm_config, *args, **kwargs)
-            model = _in_process_model(getattr(self, "model_executor", None))
-            scheduler = getattr(self, "scheduler", None)
-            if scheduler is not None:  # the model's word where it runs here, else the config's
-                scheduler.ridgefill_cache = pc.engine_policy(vllm_config, model)
+            policy_of(self)
 
         return __init__
 
     def make_preprocess(original):
         def preprocess_add_request(self, request):
-            policy = getattr(getattr(self, "scheduler", None), "ridgefill_cache", None)
+            policy = policy_of(self)
             cap = pc.request_cap(policy, request)
             if cap is not None:  # salt before the block hashes are computed
                 request.cache_salt = pc.salt(request.cache_salt, policy.tag)
