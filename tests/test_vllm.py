@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -477,3 +478,24 @@ def test_with_a_share_requests_sharing_a_prefix_neither_store_nor_reuse_blocks(t
     plan = FillPlan("ridge", maps=load_maps(t["maps"], t["model"], tokenizer), sink=4, tail=16, share=0.1)
     for prompt, result in zip(prompts, got["results"], strict=True):
         assert_ridge(result, reference(t["model"], prompt, plan), reference(t["model"], prompt, FillPlan()))
+
+
+def test_question_selected_rows_equal_the_reference_and_chunked_prompts_run_exact(setup):
+    """select "question" on vLLM, unchunked: the rows the question protects, the tokens and the logprobs
+    equal the transformers runtime's, with two prompts in one step. Chunked, a prompt runs exact (its early
+    chunks would be filled before the question is seen) and the engine says so."""
+    s = setup
+    opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3}
+    got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], **opts))
+    assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3)" in got["log"]
+    assert_filled(got)
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2)
+    for prompt, result in zip(s["prompts"], got["results"], strict=True):
+        head = torch.tensor([prompt[:-1]])
+        want = prefill(s["lm"], head, replace(plan, tail=47)).protected  # as `generate` prefills the head
+        assert result["question_rows"] == want.nonzero().squeeze(-1).tolist()
+        assert int(want.sum()) > 4 + 47 + 0.1 * len(prompt)  # the share was protected, not only the edges
+        assert_ridge(result, reference(s["lm"], prompt, plan), reference(s["lm"], prompt, FillPlan()))
+    chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"][:1], s["maps"], chunk=64, **opts))
+    assert "RidgeFill is inert" in chunked["log"] and "chunked" in chunked["log"]
+    assert_matches(chunked["results"][0], reference(s["lm"], s["prompts"][0], FillPlan()))

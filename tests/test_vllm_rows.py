@@ -111,3 +111,18 @@ def test_prompt_logprob_requests_stay_stock_for_their_whole_life():
     }
     stock = PromptLogprobRequests(requests)
     assert "lp" in stock and "plain" not in stock and "pooling" not in stock and "gone" not in stock
+
+
+def test_question_prompts_whole_in_a_step_are_listed_and_chunked_ones_run_exact():
+    """select "question": the share is left to the forward (edge rows only here) for a prompt scheduled whole;
+    a prompt split over steps is protected in every chunk, and the inert warning says why."""
+    classifier = RowClassifier(SINK, TAIL, SHARE, None, question=True)
+    p = np.arange(300)
+    rows = _step([("w", p, 0, 300), ("short", p[:20], 0, 20)], classifier)
+    assert rows.questions == [(0, 300, "w")]  # the short prompt is all edge rows: nothing to choose
+    want = protected_mask(torch.from_numpy(p), SINK, TAIL, 0.0, None)
+    assert rows.protected[:300].tolist() == want.tolist() and rows.protected[300:].all()
+    first = _step([("c", p, 0, 128)], classifier)
+    later = _step([("c", p, 128, 172)], classifier)
+    assert first.questions == later.questions == [] and first.protected.all() and later.protected.all()
+    assert classifier.inert and "chunked" in classifier.inert and "max_num_batched_tokens" in classifier.inert

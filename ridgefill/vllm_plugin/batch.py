@@ -30,6 +30,8 @@ class StepRows:
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end token, request index)
     cache: dict = field(default_factory=dict)  # per-step metadata shared by the late layers
     decodes: int = 0  # requests of the step past their prompt (decoding or recomputing outputs)
+    questions: list[tuple[int, int, str]] = field(default_factory=list)  # (first, end token, request id):
+    # whole prompts whose protected share the question picks in the forward (select "question")
 
     @property
     def any_bulk(self) -> bool:
@@ -54,8 +56,10 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 class RowClassifier:
     """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
 
-    def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None) -> None:
+    def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None, question: bool = False) -> None:
         self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
+        self.question = question  # the share is picked in the forward, from the question's attention
+        self.chunked: set[tuple[str, int]] = set()  # question prompts split over steps: run exact (see classify)
         self.masks: dict[tuple[str, int], np.ndarray] = {}  # (request, prompt length): a prompt may grow
         self.fill: dict[tuple[str, int], list[int]] = {}  # per prompt: [rows run between sink and tail, bulk]
         self.inert: str | None = None  # why a long prompt ran with zero bulk rows (first such prompt)
@@ -64,7 +68,8 @@ class RowClassifier:
         key = (req_id, len(prompt_ids))
         if key not in self.masks:
             ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64))
-            self.masks[key] = protected_mask(ids, self.sink, self.tail, self.share, self.scores).numpy()
+            share, scores = (0.0, None) if self.question else (self.share, self.scores)
+            self.masks[key] = protected_mask(ids, self.sink, self.tail, share, scores).numpy()
         return self.masks[key]
 
     def classify(
@@ -82,6 +87,11 @@ class RowClassifier:
         batch, at positions num_computed[r].. . Requests in `stock` (those asking for prompt logprobs,
         which need every row's logits) are all protected. Returns None for a step with no prompt row to
         fill (decodes only), which then runs stock at the cost of a few vector ops.
+
+        With the question selector, a prompt scheduled whole in this step is listed in `questions` (its
+        share is picked in the forward, once layers 0..S-1 have run on every row); a prompt split over
+        several steps (chunked prefill) runs exact, since its earlier chunks are filled before the question
+        is seen.
         """
         n = len(req_ids)
         qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int64)
@@ -95,17 +105,25 @@ class RowClassifier:
         pos = np.repeat(computed - qsl[:-1], counts) + np.arange(num_tokens)
         req_of_token = np.repeat(np.arange(n), counts)
         protected = np.ones(num_tokens, dtype=bool)
+        questions = []
         for r in prefilling:
             a, b, plen = int(qsl[r]), int(qsl[r + 1]), int(plens[r])
             mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen))
             p = pos[a:b]
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
+            if self.question and plen > self.sink + self.tail:
+                if computed[r] == 0 and b - a >= plen and (req_ids[r], plen) not in self.chunked:
+                    questions.append((a, a + plen, req_ids[r]))
+                else:
+                    self.chunked.add((req_ids[r], plen))
+                    protected[a:b] = True
             self._track(req_ids[r], plen, p, protected[a:b])
         live = {(req_ids[r], int(plens[r])) for r in range(n)}
         for stale in [k for k in self.masks if k not in live]:
             del self.masks[stale]
         for stale in [k for k in self.fill if k not in live]:
             del self.fill[stale]
+        self.chunked &= live
         runs = _runs(protected, req_of_token, pos)
         decodes = int(((counts > 0) & (computed >= plens)).sum())
         return StepRows(
@@ -115,6 +133,7 @@ class RowClassifier:
             torch.from_numpy(pos),
             runs,
             decodes=decodes,
+            questions=questions,
         )
 
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
@@ -126,9 +145,15 @@ class RowClassifier:
         seen[0] += int(zone.sum())
         seen[1] += int((~protected).sum())
         if pos[-1] >= plen - 1 and seen[0] > 0 and seen[1] == 0 and self.inert is None:
-            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} " + (
-                "with share 1 (every row protected)" if self.share >= 1 else "and the classifier protected them all"
-            )
+            why = "and the classifier protected them all"
+            if self.share >= 1:
+                why = "with share 1 (every row protected)"
+            elif (req_id, plen) in self.chunked:
+                why = (
+                    "exactly: question-selected rows need the whole prompt in one step, and it was chunked; "
+                    "raise max_num_batched_tokens above the prompt length"
+                )
+            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} {why}"
 
 
 def _runs(protected: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray) -> list[tuple[int, int, int]]:
@@ -174,6 +199,12 @@ def step_rows(runner, classifier: RowClassifier) -> StepRows | None:
         lambda r, plen: batch.token_ids_cpu[r, :plen],
         stock=PromptLogprobRequests(runner.requests),
     )
+
+
+def reclassify(rows: StepRows) -> None:
+    """After the forward changed `rows.protected` (question-selected rows): new runs, no stale metadata."""
+    rows.runs = _runs(rows.protected.numpy(), rows.req_of_token.numpy(), rows.positions.numpy())
+    rows.cache.clear()
 
 
 def bulk_rows(rows: StepRows) -> StepRows:

@@ -7,6 +7,7 @@ sides of an engine agree on whether RidgeFill serves and with which options, whi
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 ARCHS = {
     "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
@@ -82,6 +83,40 @@ def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
     if mode not in ("ridge", "plumb"):
         raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
     return sink, tail, share, mode
+
+
+@dataclass(frozen=True)
+class QuestionRows:
+    """The "question" selector on vLLM: the last `query` prompt rows' attention in the `layers` exact layers
+    below the split, max-pooled +-`window`, picks the protected share (as `ridgefill.runtime` does)."""
+
+    query: int
+    window: int
+    layers: int
+
+
+def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
+    """The question selector's options (hf_overrides `ridgefill_select="question"`, `ridgefill_query`,
+    `ridgefill_window`, `ridgefill_score_layers`), or None for the rarity selector; ValueError if invalid."""
+    d = manifest["defaults"]
+    select = _option(cfg, "select", str(d.get("select", "rarity")))
+    if select == "rarity":
+        return None
+    if select != "question":
+        raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {select!r})")
+    rows = QuestionRows(
+        _option(cfg, "query", int(d.get("query", 32))),
+        _option(cfg, "window", int(d.get("window", 4))),
+        _option(cfg, "score_layers", int(d.get("score_layers", 3))),
+    )
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"ridgefill_select='question' needs 0 < ridgefill_share < 1 (got {share})")
+    if rows.query < 1 or rows.window < 0 or not 1 <= rows.layers <= int(manifest["split"]):
+        raise ValueError(
+            f"question rows need ridgefill_query >= 1, ridgefill_window >= 0 and 1 <= ridgefill_score_layers <= "
+            f"the split {manifest['split']} (got {rows.query}, {rows.window}, {rows.layers})"
+        )
+    return rows
 
 
 def _option(cfg, name: str, default):

@@ -24,9 +24,10 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
+from ridgefill.rows import edge_rows, pooled, protect_top
 from ridgefill.vllm_plugin.backend import attend, write_kv
-from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows
-from ridgefill.vllm_plugin.config import maps_path, serve_options, unsupported
+from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows, reclassify
+from ridgefill.vllm_plugin.config import QuestionRows, maps_path, question_rows, serve_options, unsupported
 from ridgefill.vllm_plugin.patches import PATCHES, log_every
 
 log = init_logger("vllm.ridgefill")
@@ -66,6 +67,8 @@ class ServeState:
     counters: Counters = field(default_factory=Counters)
     refused: str | None = None  # set once the runner hook found it cannot classify: stock for good
     warned_inert: bool = False
+    question: QuestionRows | None = None  # the share picked by the question's attention (select "question")
+    chosen: dict[str, list[int]] = field(default_factory=dict)  # request -> its question-protected positions
 
     @property
     def split(self) -> int:
@@ -138,6 +141,7 @@ class RidgeFillMixin:
             if errors:
                 raise MapError("maps do not match this model: " + "; ".join(errors))
             self._rf_options = serve_options(cfg, maps.manifest)
+            self._rf_question = question_rows(cfg, maps.manifest, self._rf_options[2])
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
@@ -191,11 +195,13 @@ class RidgeFillMixin:
                 shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
                 kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, self._rf_dtype)
         sink, tail, share, mode = self._rf_options
-        classifier = RowClassifier(sink, tail, share, maps.scores)
-        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
+        question = self._rf_question
+        classifier = RowClassifier(sink, tail, share, maps.scores, question=question is not None)
+        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv, question=question)
         atexit.register(_log_at_exit, state)
         log.info(
-            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g, mode %s, prefix caching %s",
+            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g (%s), mode %s, "
+            "prefix caching %s",
             cfg.architectures[0],
             getattr(cfg, "name_or_path", ""),
             maps.path,
@@ -203,6 +209,7 @@ class RidgeFillMixin:
             classifier.sink,
             classifier.tail,
             classifier.share,
+            "rarity" if question is None else f"question: {question}",
             mode,
             ("filled blocks kept apart" if classifier.share == 0 else "off for requests with bulk rows")
             if self._rf_prefix_caching
@@ -214,7 +221,6 @@ class RidgeFillMixin:
         rows = st.rows if st is not None else None
         if rows is None or not st.enabled or not rows.any_bulk or input_ids is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
-        st.record(rows)
         return self._ridgefill_forward(input_ids, positions, st, rows)
 
     # --- the RidgeFill forward -----------------------------------------------------------
@@ -222,9 +228,16 @@ class RidgeFillMixin:
         m, n = self.model, rows.num_tokens
         pos = positions[:n]
         h, res = m.embed_input_ids(input_ids[:n]), None
-        for layer in m.layers[: st.split]:
+        scored = range(st.split - st.question.layers, st.split) if st.question and rows.questions else ()
+        inputs = {}  # layer -> its input stream, for the question's attention
+        for idx, layer in enumerate(m.layers[: st.split]):
+            if idx in scored:
+                inputs[idx] = h.clone() if res is None else h + res
             h, res = layer(pos, h, res)
         stream = h if res is None else h + res
+        if inputs:
+            self._choose_question_rows(st, rows, inputs, pos)
+        st.record(rows)
         prot, bulk = rows.indices(stream.device)
         x, split_bulk = stream[prot], stream[bulk]
         x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
@@ -248,6 +261,40 @@ class RidgeFillMixin:
         if some:
             out[prot] = m.norm(x)
         return out
+
+    def _choose_question_rows(self, st: ServeState, rows: StepRows, inputs: dict[int, Tensor], pos: Tensor) -> None:
+        """Protect each whole prompt's share by the attention its question pays in the layers below the split.
+
+        As the transformers runtime, on the prompt without its last row (which the stock model runs there):
+        the last `query` of those rows score every row, summed over heads and the scored layers, max-pooled.
+        """
+        c, q = st.classifier, st.question
+        for a, end, req_id in rows.questions:
+            n = end - a - 1
+            attention = torch.zeros(n, dtype=torch.float32, device=pos.device)
+            for idx, stream in inputs.items():
+                layer = self.model.layers[idx]
+                attention += self._question_attention(layer, stream[a : a + n], pos[a : a + n], q.query)
+            attention = _all_heads(attention)
+            keep = edge_rows(n, c.sink, max(1, c.tail - 1), attention.device)
+            mask = protect_top(keep, pooled(attention, keep, q.window), c.share).cpu()
+            rows.protected[a : a + n] = mask
+            st.chosen[req_id] = mask.nonzero().squeeze(-1).tolist()
+            if len(st.chosen) > 256:  # a record for the tests and the curious, not a log of every request
+                st.chosen.pop(next(iter(st.chosen)))
+        reclassify(rows)
+
+    def _question_attention(self, layer, x: Tensor, pos: Tensor, query: int) -> Tensor:
+        """Attention [n] that the last `query` rows of x [n, d] pay every row (this rank's heads)."""
+        q, k, _ = self._qkv(layer, x, pos)
+        attn = layer.self_attn
+        n, nq = x.shape[0], min(query, x.shape[0])
+        qh = q[n - nq :].view(nq, -1, attn.head_dim).transpose(0, 1)  # [H, nq, hd]
+        kh = k.view(n, -1, attn.head_dim).transpose(0, 1)  # [KV, n, hd]
+        kh = kh.repeat_interleave(qh.shape[0] // kh.shape[0], dim=0)
+        logits = (qh @ kh.transpose(-1, -2)).float() * attn.scaling  # [H, nq, n]
+        future = torch.arange(n, device=x.device)[None, :] > torch.arange(n - nq, n, device=x.device)[:, None]
+        return logits.masked_fill(future, float("-inf")).softmax(-1).sum(dim=(0, 1))
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
@@ -297,6 +344,13 @@ class RidgeFillMixin:
         if not hasattr(attn, "q_norm"):
             return q
         return attn.q_norm(q.view(q.shape[0], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
+
+
+def _all_heads(attention: Tensor) -> Tensor:
+    """Sum a per-rank score over tensor-parallel ranks (each rank holds some heads), so all ranks agree."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+    return attention if get_tensor_model_parallel_world_size() == 1 else tensor_model_parallel_all_reduce(attention)
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):

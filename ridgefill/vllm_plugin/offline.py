@@ -153,10 +153,10 @@ def run_case(case: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
     try:
-        active = getattr(served_model(llm), "ridgefill", None) is not None
-        count = counters(llm)
+        state = getattr(served_model(llm), "ridgefill", None)
+        active, count = state is not None, counters(llm)
     except AttributeError:  # the model runs in worker processes (tensor parallel): see the log
-        active = count = None
+        state = active = count = None
     results = []
     for o in outs:
         c = o.outputs[0]
@@ -167,6 +167,7 @@ def run_case(case: dict) -> dict:
             "first_logprobs": first,
             "token_logprobs": chosen,  # each generated token's own logprob
             "cached_tokens": o.num_cached_tokens,
+            "question_rows": None if state is None else state.chosen.get(o.request_id),  # protected positions
         }
         if o.prompt_logprobs is not None:  # each prompt token's own logprob (none for the first)
             ids = o.prompt_token_ids
