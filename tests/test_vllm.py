@@ -486,16 +486,20 @@ def test_question_selected_rows_equal_the_reference_and_chunked_prompts_run_exac
     chunks would be filled before the question is seen) and the engine says so."""
     s = setup
     opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3}
-    got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], **opts))
+    got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], chunk=2048, **opts))  # one step
     assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3)" in got["log"]
     assert_filled(got)
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2)
     for prompt, result in zip(s["prompts"], got["results"], strict=True):
-        head = torch.tensor([prompt[:-1]])
-        want = prefill(s["lm"], head, replace(plan, tail=47)).protected  # as `generate` prefills the head
-        assert result["question_rows"] == want.nonzero().squeeze(-1).tolist()
-        assert int(want.sum()) > 4 + 47 + 0.1 * len(prompt)  # the share was protected, not only the edges
-        assert_ridge(result, reference(s["lm"], prompt, plan), reference(s["lm"], prompt, FillPlan()))
+        # as `generate`: the head (all rows but the last) prefilled with the plan, the last row run stock on it
+        pre = prefill(s["lm"], torch.tensor([prompt[:-1]]), replace(plan, tail=47))
+        assert result["question_rows"] == pre.protected.nonzero().squeeze(-1).tolist()
+        assert int(pre.protected.sum()) > 4 + 47 + 0.1 * len(prompt)  # the share was protected, not only edges
+        with torch.inference_mode():
+            last = s["lm"](input_ids=torch.tensor([prompt[-1:]]), past_key_values=pre.cache).logits[0, -1]
+        ref = {"tokens": generate(s["lm"], torch.tensor([prompt]), plan, MAX_TOKENS)[0].tolist()}
+        ref["logprobs"] = torch.log_softmax(last.float(), -1)
+        assert_ridge(result, ref, reference(s["lm"], prompt, FillPlan()))
     chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"][:1], s["maps"], chunk=64, **opts))
     assert "RidgeFill is inert" in chunked["log"] and "chunked" in chunked["log"]
     assert_matches(chunked["results"][0], reference(s["lm"], s["prompts"][0], FillPlan()))

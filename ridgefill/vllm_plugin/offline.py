@@ -157,6 +157,8 @@ def run_case(case: dict) -> dict:
         active, count = state is not None, counters(llm)
     except AttributeError:  # the model runs in worker processes (tensor parallel): see the log
         state = active = count = None
+    # vLLM runs a request as "<its id>-<8 random chars>" inside the engine
+    question_rows = {} if state is None else {k.rsplit("-", 1)[0]: v for k, v in state.chosen.items()}
     results = []
     for o in outs:
         c = o.outputs[0]
@@ -167,7 +169,7 @@ def run_case(case: dict) -> dict:
             "first_logprobs": first,
             "token_logprobs": chosen,  # each generated token's own logprob
             "cached_tokens": o.num_cached_tokens,
-            "question_rows": None if state is None else state.chosen.get(o.request_id),  # protected positions
+            "question_rows": question_rows.get(o.request_id),  # positions the question protected (select "question")
         }
         if o.prompt_logprobs is not None:  # each prompt token's own logprob (none for the first)
             ids = o.prompt_token_ids
