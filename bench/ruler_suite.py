@@ -106,6 +106,11 @@ def main() -> None:
     ap.add_argument("--query", type=int, default=32)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--score-layers", type=int, default=3)
+    ap.add_argument(
+        "--cap", nargs="*", default=[], metavar="PLAN=N",
+        help="score PLAN on the first N samples of each task only (e.g. identity=10: the costliest plan, since a "
+        "wrong answer decodes the whole budget); it is still paired with exact on those samples",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--exact-cache", type=Path, default=Path("bench/results/ruler_exact_cache.json"))
     ap.add_argument("--out", type=Path, required=True, help="stem: writes OUT.jsonl, OUT.json and OUT.md")
@@ -115,6 +120,10 @@ def main() -> None:
         help="no decoding: how much of each needle each selector protects, for several query/window/layers",
     )  # fmt: skip
     args = ap.parse_args()
+    try:
+        args.cap = {name: int(n) for name, n in (c.split("=") for c in args.cap)}
+    except ValueError:
+        raise SystemExit("error: --cap takes PLAN=N pairs, e.g. --cap identity=10") from None
     lengths, counts = args.length or [2048], args.samples or [10]
     if len(counts) == 1:
         counts = counts * len(lengths)
@@ -158,7 +167,7 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                 early = None  # layers 0..S-1 of the prompt's head, run once for every non-exact plan
                 for name, plan in plans.items():
                     cfg = plan_config(plan)
-                    if (name, task, length, index, json.dumps(cfg)) in done:
+                    if (name, task, length, index, json.dumps(cfg)) in done or index >= args.cap.get(name, n):
                         continue
                     key = f"{args.model}:{prompt_key(x.input_ids)}:{x.max_new_tokens}"
                     if name == "exact" and key in cache:
