@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -155,6 +156,9 @@ def ttft(
     sink: int | None = None,
     tail: int | None = None,
     share: float | None = None,
+    select: Annotated[
+        str, typer.Option(help="how the share is chosen: rarity | question (the question's attention)")
+    ] = "rarity",
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
     chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
@@ -171,7 +175,7 @@ def ttft(
 
     if engine == "transformers":
         lm, tok, ms = _load(model, maps)
-        plan = _plan(ms, mode, split, sink, tail, share)
+        plan = replace(_plan(ms, mode, split, sink, tail, share), select=select)
         run = transformers_engine(lm)
     elif engine == "vllm":
         if maps is None:
@@ -180,7 +184,7 @@ def ttft(
         from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
-        given = {"sink": sink, "tail": tail, "share": share, "mode": mode}
+        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select}
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         llm = make_llm(
             path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
@@ -189,6 +193,7 @@ def ttft(
         run = ttft_engine(llm)  # raises if the engine refused the folder
         tok = llm.get_tokenizer()
         plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there
+        plan = replace(plan, select=select)
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
@@ -215,6 +220,8 @@ def ttft(
                 "mode": plan.mode,
                 "split": plan.split,
                 "tail": plan.tail,
+                "share": plan.share,
+                "select": plan.select,
             },
             "lengths": result,
         },
