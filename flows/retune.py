@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
+from ridgefill.default_model import cache_root
+from ridgefill.study import Study, load_study
 
-from ridgefill.default_model import cache_root  # noqa: E402
-from ridgefill.study import Study, load_study  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (studies/ lives there)
 
 
 def hub_commit(repo: str, revision: str, endpoint: str | None = None) -> str:

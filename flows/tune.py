@@ -9,7 +9,7 @@ chosen map (best speed-up inside the RULER-drop constraint) recorded and attache
 certification of the chosen map on the study's `certify` benchmark (recorded, pass or fail) -> publish
 through `registry.publish_best`, only when it passed.
 
-Run without a server (Prefect's ephemeral mode): `python flows/tune.py studies/smollm2-135m.yaml`.
+Run without a server (Prefect's ephemeral mode): `python -m flows.tune studies/smollm2-135m.yaml`.
 The whole study is checked first (`study.preflight`: fields, the model's config.json, the files it names),
 so a bad study stops before any model loads. The run logs one line per stage and one per trial.
 
@@ -26,12 +26,10 @@ import importlib
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `tasks/` lives in the checkout, beside this folder
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (studies/ lives there)
+# an entry point: Prefect's own settings, set before Prefect is imported (library code never writes os.environ)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a busy 2-core machine
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
