@@ -1,6 +1,6 @@
 """`tune(study)`: tune RidgeFill for one model end to end and leave the best map ready to publish.
 
-The study is named per weights (`<spec>-<weights hash>`, `tuning.run_name`): a new model release starts
+The study is named per weights (`<spec>-<weights hash>`, `search.run_name`): a new model release starts
 a fresh search and publishes under its own tag, a rerun on the same weights resumes.
 
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
@@ -14,7 +14,7 @@ The whole study is checked first (`study.preflight`: fields, the model's config.
 so a bad study stops before any model loads. The run logs one line per stage and one per trial.
 
 Test hook: `evaluator="module:function"` replaces the trial task's function (`tasks.run_trial`'s signature,
-returning a `tuning.Outcome`), e.g. fast fake objectives or a barrier before the real trial. Users never
+returning a `search.Outcome`), e.g. fast fake objectives or a barrier before the real trial. Users never
 need it.
 """
 
@@ -38,7 +38,7 @@ from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 import tasks  # noqa: E402
-from ridgefill import certify, cost, tuning  # noqa: E402
+from ridgefill import certify, cost, objectives, report, search  # noqa: E402
 from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.study import Study, check_model, find_study, preflight  # noqa: E402
@@ -104,7 +104,7 @@ def _certify_exact(cfg: Study, res: dict) -> dict | None:
     if cfg.certify is None:
         return None
     spec = cfg.certify.ruler()
-    inputs = tuning.ruler_inputs_sha(spec)
+    inputs = objectives.ruler_inputs_sha(spec)
     m = (cfg.model.dtype, cfg.hardware.device)
     exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, spec.model_dump(), inputs)
     return {"exact": exact, "inputs": inputs}
@@ -140,7 +140,7 @@ def tune(
         import torch
 
         torch.set_num_threads(cfg.hardware.threads)
-    tuning.check_engine(cfg.engine)
+    objectives.check_engine(cfg.engine)
     work_dir = Path(work) if work else default_work()
     db_path = Path(db) if db else default_db(work_dir)
     storage = storage or os.environ.get("RIDGEFILL_OPTUNA_STORAGE")
@@ -154,7 +154,7 @@ def tune(
     if cfg.model.shape:  # preflight may have checked the study's declared shape: now the model's own config
         check_model(cfg, model_config(res["path"]), study)
     spec = cfg.name
-    cfg = cfg.model_copy(update={"name": tuning.run_name(spec, res["fingerprint"])})  # per weights
+    cfg = cfg.model_copy(update={"name": search.run_name(spec, res["fingerprint"])})  # per weights
     log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res["revision"], res["path"], cfg.name)
     if cfg.budget.hours is not None and not checked:  # before the capture: a study that will not fit stops
         _within_budget(cfg, force, log, tasks.model(res["path"], *m)[0] if m[1] == "cpu" else None, res["path"])
@@ -167,7 +167,7 @@ def tune(
     log.info("[2/%d] capture: %s (%s, splits %s)", STAGES, cap, cal.source, sorted(cfg.search.splits))
     ruler = cfg.objectives.ruler
     exact = tasks.exact_ruler(
-        res["fingerprint"], res["path"], *m, ruler.model_dump(), tuning.ruler_inputs_sha(ruler), cfg.engine
+        res["fingerprint"], res["path"], *m, ruler.model_dump(), objectives.ruler_inputs_sha(ruler), cfg.engine
     )
     cells = [c["all"] for lengths in exact["scores"].values() for c in lengths.values()]
     log.info(
@@ -181,10 +181,10 @@ def tune(
                   cfg.constraints.max_ruler_drop, cfg.model_dump(), spec)  # fmt: skip
         tasks.record_baseline(rec, cfg.name, exact)
         shared = bool(storage and "://" in storage)
-        ostudy = tuning.open_study(cfg, tuning.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
-        tuning.enqueue_first(ostudy, cfg)
+        ostudy = search.open_study(cfg, search.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
+        search.enqueue_first(ostudy, cfg)
         max_drop = cfg.constraints.max_ruler_drop
-        before = tuning.sync(rec, ostudy, max_drop)  # trials finished by earlier (crashed) runs
+        before = search.sync(rec, ostudy, max_drop)  # trials finished by earlier (crashed) runs
         budget = cfg.budget.trials
         where = "the shared RDB storage" if shared else storage or work_dir / "optuna" / f"{cfg.name}.journal"
         log.info("[4/%d] search: %d trials in %s; %d finished before", STAGES, budget, where, before)
@@ -197,13 +197,13 @@ def tune(
 
         def on_trial(t):
             tasks.record_trial(rec, cfg.name, t, max_drop)
-            log.info(tuning.progress_line(t, tuning.completed(ostudy), budget, max_drop))
+            log.info(report.progress_line(t, search.completed(ostudy), budget, max_drop))
 
-        ran = tuning.optimize(ostudy, cfg, evaluate, on_trial=on_trial)
+        ran = search.optimize(ostudy, cfg, evaluate, on_trial=on_trial)
         if shared:  # trials other workers finished (this one's are recorded), once they are done
-            if running := tuning.settle(ostudy):
+            if running := search.settle(ostudy):
                 log.warning("%d trials of other workers still run; syncing without them", running)
-            synced = tuning.sync(rec, ostudy, max_drop)
+            synced = search.sync(rec, ostudy, max_drop)
             log.info("synced the whole shared study (%d finished trials) into %s", synced, db_path)
         best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
         log.info(

@@ -62,7 +62,7 @@ def certificate(
     deltas (CI, McNemar p), the filled-region breakdown, and the tasks, lengths, samples, haystack and seed.
     """
     from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair, paired_summary, region_breakdown
-    from ridgefill.tuning import sample_rows
+    from ridgefill.objectives import sample_rows
 
     rows = sample_rows(MAP, map_rows) + sample_rows(EXACT, exact_rows)
     cells = pair(rows, MAP, EXACT)

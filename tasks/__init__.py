@@ -18,7 +18,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 
-from ridgefill import tuning
+from ridgefill import objectives, report, search
 from ridgefill.results import BASELINE, Recorder
 from ridgefill.study import Study
 
@@ -115,7 +115,7 @@ def fit(capture_path: str, path: str, dtype: str, device: str, params: dict, out
     from ridgefill.steps import build_maps
 
     lm, tok = model(path, dtype, device)
-    p = tuning.Params(**params)
+    p = search.Params(**params)
     defaults = {"tail": p.tail, "sink": p.sink, "share": p.share}
     folder = build_maps(
         lm, tok, load_capture(Path(capture_path)), p.split, p.lam, Path(out), defaults=defaults,
@@ -129,12 +129,12 @@ def exact_ruler(
     fingerprint: str, path: str, dtype: str, device: str, ruler: dict, inputs_sha: str, engine: str = "transformers"
 ) -> dict:
     """The exact baseline's RULER scores and per-sample rows (for pairing), computed once per model weights,
-    RULER settings, engine and `inputs_sha` (haystack text and RULER code: `tuning.ruler_inputs_sha`)."""
+    RULER settings, engine and `inputs_sha` (haystack text and RULER code: `objectives.ruler_inputs_sha`)."""
     from ridgefill.runtime import FillPlan
     from ridgefill.study import Ruler
 
     lm, tok = model(path, dtype, device)
-    out = tuning.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
+    out = objectives.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
     return {"scores": out["scores"], "samples": out["samples"]}
 
 
@@ -145,16 +145,16 @@ def evaluate(
     """RULER delta paired against the exact baseline (mean and 95% CI) and dNLL of the trial's plan, with
     metric rows (`ruler`: already measured on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers)."""
     lm, tok = model(path, dtype, device)
-    plan = tuning.plan_for(tuning.Params(**params), map_path, lm, tok)
+    plan = objectives.plan_for(search.Params(**params), map_path, lm, tok)
     if ruler is None:
-        ruler = tuning.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
-    paired = tuning.paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
-    dnll, nll_rows = tuning.run_nll(lm, tok, plan, cfg)
+        ruler = objectives.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler)
+    paired = objectives.paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
+    dnll, nll_rows = objectives.run_nll(lm, tok, plan, cfg)
     return {
         "ruler_delta": paired["mean"],
         "ruler_ci": {k: paired[k] for k in ("lo", "hi", "n")},
         "dnll": dnll,
-        "rows": tuning.ruler_rows("trial", ruler["scores"]) + nll_rows,
+        "rows": objectives.ruler_rows("trial", ruler["scores"]) + nll_rows,
     }
 
 
@@ -162,20 +162,20 @@ def evaluate(
 def measure_ttft(path: str, dtype: str, device: str, params: dict, map_path: str, cfg: Study) -> dict:
     """Paired TTFT (exact vs the trial's plan) on the study's engine: speed-up and metric rows."""
     lm, tok = model(path, dtype, device)
-    plan = tuning.plan_for(tuning.Params(**params), map_path, lm, tok)
-    res = tuning.run_ttft(lm, tok, plan, cfg)
-    return {"speedup": tuning.ttft_speedup(res), "rows": tuning.ttft_rows(res)}
+    plan = objectives.plan_for(search.Params(**params), map_path, lm, tok)
+    res = objectives.run_ttft(lm, tok, plan, cfg)
+    return {"speedup": objectives.ttft_speedup(res), "rows": objectives.ttft_rows(res)}
 
 
 @task(cache_policy=NO_CACHE)
 def serve_vllm(path: str, dtype: str, device: str, params: dict, map_path: str, cfg: Study) -> dict:
     """The trial's RULER (a batch per task x length) and paired TTFT, served by one vLLM engine."""
     lm, tok = model(path, dtype, device)
-    return tuning.run_trial_vllm(lm, tuning.plan_for(tuning.Params(**params), map_path, lm, tok), cfg)
+    return objectives.run_trial_vllm(lm, objectives.plan_for(search.Params(**params), map_path, lm, tok), cfg)
 
 
 @task(cache_policy=NO_CACHE)
-def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> tuning.Outcome:
+def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> search.Outcome:
     """fit -> evaluate -> TTFT for one trial (nested tasks, so each step shows in the run)."""
     m = (ctx["path"], cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx["maps"]) / f"trial-{number:04d}")
@@ -183,17 +183,17 @@ def run_trial(number: int, params: dict, ctx: dict, exact: dict, cfg: Study) -> 
     if cfg.engine == "vllm":  # one engine serves the trial's RULER and TTFT
         served = serve_vllm(*m, params, folder, cfg)
         ev = evaluate(*m, params, folder, exact, cfg, served["ruler"])
-        tt = {"speedup": tuning.ttft_speedup(served["ttft"]), "rows": tuning.ttft_rows(served["ttft"])}
+        tt = {"speedup": objectives.ttft_speedup(served["ttft"]), "rows": objectives.ttft_rows(served["ttft"])}
     else:
         ev = evaluate(*m, params, folder, exact, cfg)
         tt = measure_ttft(*m, params, folder, cfg)
-    return tuning.Outcome(ev["ruler_delta"], tt["speedup"], ev["dnll"], folder, ev["rows"] + tt["rows"], ev["ruler_ci"])
+    return search.Outcome(ev["ruler_delta"], tt["speedup"], ev["dnll"], folder, ev["rows"] + tt["rows"], ev["ruler_ci"])
 
 
 @task(cache_policy=NO_CACHE)
 def record_trial(recorder: Recorder, study_name: str, trial, max_drop: float) -> None:
     """Write one finished trial (parameters, objectives, metric rows) as one DuckDB transaction."""
-    recorder.trials([tuning.record_of(study_name, trial, max_drop)])
+    recorder.trials([search.record_of(study_name, trial, max_drop)])
 
 
 @task(cache_policy=NO_CACHE)
@@ -203,23 +203,23 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
 
     trials = study.get_trials(deepcopy=False)
     max_drop = cfg.constraints.max_ruler_drop  # today's limit, also for trials run under another
-    fr, best = tuning.front(trials, max_drop), tuning.choose(trials, max_drop)
+    fr, best = report.front(trials, max_drop), report.choose(trials, max_drop)
     keep = {t.number: t for t in fr} | ({best.number: best} if best else {})
     rows = []
     for t in keep.values():
         mp = t.user_attrs.get("map_path")
         sha = read_manifest(Path(mp))["manifest_sha256"] if mp and Path(mp, MANIFEST).is_file() else None
-        p = tuning.params_of(t)
+        p = search.params_of(t)
         rows.append(
             (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
              p.get("share"), t.values[0], t.values[1])
         )  # fmt: skip
     recorder.maps(rows, cfg.name, best.number if best else None)
-    md = tuning.table(trials, best, cfg.constraints.max_ruler_drop)
+    md = report.table(trials, best, cfg.constraints.max_ruler_drop)
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pareto.md").write_text(md + "\n")
-    png = tuning.pareto_png(trials, best, cfg.constraints.max_ruler_drop, out / "pareto.png")
+    png = report.pareto_png(trials, best, cfg.constraints.max_ruler_drop, out / "pareto.png")
     return {
         "front": [t.number for t in fr],
         "chosen": best.number if best else None,
@@ -231,7 +231,7 @@ def select_best(recorder: Recorder, study, cfg: Study, report_dir: str) -> dict:
 
 @task(cache_policy=NO_CACHE)
 def record_baseline(recorder: Recorder, study_name: str, exact: dict) -> None:
-    recorder.baseline(study_name, tuning.ruler_rows("exact", exact["scores"]))
+    recorder.baseline(study_name, objectives.ruler_rows("exact", exact["scores"]))
 
 
 @task(cache_policy=NO_CACHE)
@@ -252,8 +252,8 @@ def certify_map(recorder: Recorder, study_name: str, trial, ctx: dict, exact: di
         return old
     lm, tok = model(ctx["path"], cfg.model.dtype, cfg.hardware.device)
     t0 = time.time()
-    plan = tuning.plan_for(tuning.Params(**tuning.params_of(trial)), mp, lm, tok)
-    run = tuning.run_ruler_plan(lm, tok, plan, spec.ruler())
+    plan = objectives.plan_for(search.Params(**search.params_of(trial)), mp, lm, tok)
+    run = objectives.run_ruler_plan(lm, tok, plan, spec.ruler())
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = certify.haystack_label(spec.haystack, words)
     return certify.certificate(

@@ -12,15 +12,15 @@ import time
 import optuna
 
 import tasks
-from ridgefill import tuning
+from ridgefill import search
 
 
 @functools.cache
 def _storage(url: str) -> optuna.storages.BaseStorage:
-    return tuning.storage(url, None, "")
+    return search.storage(url, None, "")
 
 
-def after_two_workers(number: int, params: dict, ctx: dict, exact: dict, cfg) -> tuning.Outcome:
+def after_two_workers(number: int, params: dict, ctx: dict, exact: dict, cfg) -> search.Outcome:
     """Wait until two workers hold a trial of the shared study, then run the real trial (fit, RULER, TTFT):
     both workers take part whichever starts first."""
     store = _storage(os.environ["RIDGEFILL_OPTUNA_STORAGE"])
