@@ -13,7 +13,7 @@ Run without a server (Prefect's ephemeral mode): `python -m flows.tune studies/s
 The whole study is checked first (`study.preflight`: fields, the model's config.json, the files it names),
 so a bad study stops before any model loads. The run logs one line per stage and one per trial.
 
-Test hook: `evaluator="module:function"` replaces the trial task's function (`tasks.run_trial`'s signature,
+Test hook: `evaluator="module:function"` replaces the trial task's function (`tasks.trial.run_trial`'s signature,
 returning a `search.Outcome`), e.g. fast fake objectives or a barrier before the real trial. Users never
 need it.
 """
@@ -37,11 +37,17 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-import tasks  # noqa: E402
 from ridgefill import certify, cost, objectives, report, search  # noqa: E402
 from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
+from ridgefill.steps import Weights, shared_model  # noqa: E402
 from ridgefill.study import Study, check_model, find_study, preflight  # noqa: E402
+from tasks.capture import capture, corpus_sha  # noqa: E402
+from tasks.certify import certify_map  # noqa: E402
+from tasks.model import resolve_model  # noqa: E402
+from tasks.publish import serve_pulled  # noqa: E402
+from tasks.record import record_baseline, record_trial, select_best  # noqa: E402
+from tasks.trial import TrialContext, exact_ruler, run_trial  # noqa: E402
 
 STAGES = 7
 
@@ -52,9 +58,9 @@ def study_path(study: str) -> Path:
 
 
 def trial_task(evaluator: str | None):
-    """`tasks.run_trial`, or the test hook's `module:function` as the same task."""
+    """`tasks.trial.run_trial`, or the test hook's `module:function` as the same task."""
     if not evaluator:
-        return tasks.run_trial
+        return run_trial
     module, _, name = evaluator.partition(":")
     return task(name="run_trial", cache_policy=NO_CACHE)(getattr(importlib.import_module(module), name))
 
@@ -70,23 +76,23 @@ def _outcome(future):
         return e
 
 
-def _publish(cfg: Study, best: dict, db: Path, model_path: str, log) -> str | None:
+def _publish(cfg: Study, best: report.Selection, db: Path, model_path: str, log) -> str | None:
     """Publish the chosen map through `registry.publish_best` (the registry records the publication in the
     same results file)."""
     import registry
 
     try:
-        where = registry.publish_best(db=db, study=cfg.name, map_path=best["best_map"])
+        where = registry.publish_best(db=db, study=cfg.name, map_path=best.best_map)
     except Exception as e:  # the study and its results stand; the map can be published later
         log.error(
             "publishing failed (%s: %s); the chosen map stays at %s: `ridgefill publish --db %s --study %s`",
-            type(e).__name__, e, best["best_map"], db, cfg.name,
+            type(e).__name__, e, best.best_map, db, cfg.name,
         )  # fmt: skip
         return None
     with Recorder(db) as rec:
-        rec.published(cfg.name, best["chosen"], str(where))
+        rec.published(cfg.name, best.chosen, str(where))
     log.info("[7/%d] publish: %s", STAGES, where)
-    served = tasks.serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best["best_map"])
+    served = serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best.best_map)
     log.info("pulled back and served: %s", served)
     return str(where)
 
@@ -98,7 +104,7 @@ def _within_budget(cfg: Study, force: bool, log, model=None, path: str | None = 
     cost.check_budget(cfg, est, force)
 
 
-def _certify_exact(cfg: Study, res: dict) -> dict | None:
+def _certify_exact(cfg: Study, res: Weights) -> dict | None:
     """The exact side of the certification (cached per weights), run before the search so that a certify
     task that cannot be built at its length fails before any trial runs."""
     if cfg.certify is None:
@@ -106,18 +112,19 @@ def _certify_exact(cfg: Study, res: dict) -> dict | None:
     spec = cfg.certify.ruler()
     inputs = objectives.ruler_inputs_sha(spec)
     m = (cfg.model.dtype, cfg.hardware.device)
-    exact = tasks.exact_ruler(res["fingerprint"], res["path"], *m, spec.model_dump(), inputs)
+    exact = exact_ruler(res.fingerprint, res.path, *m, spec.model_dump(), inputs)
     return {"exact": exact, "inputs": inputs}
 
 
-def _certify(rec: Recorder, ostudy, cfg: Study, best: dict, res: dict, cexact: dict | None, log) -> dict | None:
+def _certify(
+    rec: Recorder, ostudy, cfg: Study, best: report.Selection, res: Weights, cexact: dict | None, log
+) -> dict | None:
     """The chosen map's certificate, or None when the study has no certify section."""
     if cexact is None:
         log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
         return None
-    trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best["chosen"])
-    ctx = {"path": res["path"], "certify_inputs": cexact["inputs"]}
-    return tasks.certify_map(rec, cfg.name, trial, ctx, cexact["exact"], cfg)
+    trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best.chosen)
+    return certify_map(rec, cfg.name, trial, res.path, cexact["inputs"], cexact["exact"], cfg)
 
 
 @flow(name="tune", log_prints=True)
@@ -150,24 +157,24 @@ def tune(
     checked = cfg.budget.hours is not None and m[1] == "cuda" and cost.has_shape(cfg)
     if checked:  # a GPU study's estimate needs only its shape: refuse before any download
         _within_budget(cfg, force, log)
-    res = tasks.resolve_model(cfg)
+    res = resolve_model(cfg)
     if cfg.model.shape:  # preflight may have checked the study's declared shape: now the model's own config
-        check_model(cfg, model_config(res["path"]), study)
+        check_model(cfg, model_config(res.path), study)
     spec = cfg.name
-    cfg = cfg.model_copy(update={"name": search.run_name(spec, res["fingerprint"])})  # per weights
-    log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res["revision"], res["path"], cfg.name)
+    cfg = cfg.model_copy(update={"name": search.run_name(spec, res.fingerprint)})  # per weights
+    log.info("[1/%d] model: %s at %s (%s), study %s", STAGES, cfg.model.repo, res.revision, res.path, cfg.name)
     if cfg.budget.hours is not None and not checked:  # before the capture: a study that will not fit stops
-        _within_budget(cfg, force, log, tasks.model(res["path"], *m)[0] if m[1] == "cpu" else None, res["path"])
-    corpus = tasks.corpus_sha(cal.source)
-    cap_args = (res["fingerprint"], corpus, sorted(cfg.search.splits), res["path"], *m, cal.source)
+        _within_budget(cfg, force, log, shared_model(res.path, *m)[0] if m[1] == "cpu" else None, res.path)
+    corpus = corpus_sha(cal.source)
+    cap_args = (res.fingerprint, corpus, sorted(cfg.search.splits), res.path, *m, cal.source)
     cap_kw = dict(window=cal.window, max_windows=cal.max_windows, heldout=cal.heldout, root=str(work_dir / "captures"))
-    cap = tasks.capture(*cap_args, **cap_kw)
+    cap = capture(*cap_args, **cap_kw)
     if not Path(cap, "capture.json").is_file():  # the cached result points at a capture deleted since
-        cap = tasks.capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
+        cap = capture.with_options(refresh_cache=True)(*cap_args, **cap_kw)
     log.info("[2/%d] capture: %s (%s, splits %s)", STAGES, cap, cal.source, sorted(cfg.search.splits))
     ruler = cfg.objectives.ruler
-    exact = tasks.exact_ruler(
-        res["fingerprint"], res["path"], *m, ruler.model_dump(), objectives.ruler_inputs_sha(ruler), cfg.engine
+    exact = exact_ruler(
+        res.fingerprint, res.path, *m, ruler.model_dump(), objectives.ruler_inputs_sha(ruler), cfg.engine
     )
     cells = [c["all"] for lengths in exact["scores"].values() for c in lengths.values()]
     log.info(
@@ -177,9 +184,9 @@ def tune(
     cexact = _certify_exact(cfg, res)
 
     with Recorder(db_path) as rec:
-        rec.study(cfg.name, cfg.model.repo, res["revision"], res["fingerprint"], cfg.engine,
+        rec.study(cfg.name, cfg.model.repo, res.revision, res.fingerprint, cfg.engine,
                   cfg.constraints.max_ruler_drop, cfg.model_dump(), spec)  # fmt: skip
-        tasks.record_baseline(rec, cfg.name, exact)
+        record_baseline(rec, cfg.name, exact)
         shared = bool(storage and "://" in storage)
         ostudy = search.open_study(cfg, search.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
         search.enqueue_first(ostudy, cfg)
@@ -188,15 +195,15 @@ def tune(
         budget = cfg.budget.trials
         where = "the shared RDB storage" if shared else storage or work_dir / "optuna" / f"{cfg.name}.journal"
         log.info("[4/%d] search: %d trials in %s; %d finished before", STAGES, budget, where, before)
-        ctx = {"path": res["path"], "capture": cap, "maps": str(work_dir / cfg.name / "maps")}
-        run_trial = trial_task(evaluator)
+        ctx = TrialContext(res.path, cap, str(work_dir / cfg.name / "maps"))
+        trial = trial_task(evaluator)
 
         def evaluate(batch):
-            futures = [run_trial.submit(n, p.as_dict(), ctx, exact, cfg) for n, p in batch]
+            futures = [trial.submit(n, p, ctx, exact, cfg) for n, p in batch]
             return [_outcome(f) for f in futures]
 
         def on_trial(t):
-            tasks.record_trial(rec, cfg.name, t, max_drop)
+            record_trial(rec, cfg.name, t, max_drop)
             log.info(report.progress_line(t, search.completed(ostudy), budget, max_drop))
 
         ran = search.optimize(ostudy, cfg, evaluate, on_trial=on_trial)
@@ -205,45 +212,45 @@ def tune(
                 log.warning("%d trials of other workers still run; syncing without them", running)
             synced = search.sync(rec, ostudy, max_drop)
             log.info("synced the whole shared study (%d finished trials) into %s", synced, db_path)
-        best = tasks.select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
+        best = select_best(rec, ostudy, cfg, str(work_dir / cfg.name))
         log.info(
-            "[5/%d] select: Pareto front %s, chosen trial %s, map %s", STAGES, best["front"], best["chosen"],
-            best["best_map"],
+            "[5/%d] select: Pareto front %s, chosen trial %s, map %s", STAGES, best.front, best.chosen,
+            best.best_map,
         )  # fmt: skip
         cert = None
-        if best["best_map"]:
-            log.info("[6/%d] certify: trial %s on the study's certify benchmark", STAGES, best["chosen"])
+        if best.best_map:
+            log.info("[6/%d] certify: trial %s on the study's certify benchmark", STAGES, best.chosen)
             cert = _certify(rec, ostudy, cfg, best, res, cexact, log)
         else:
             log.info("[6/%d] certify: skipped (no feasible trial)", STAGES)
-        go = (lambda: _publish(cfg, best, db_path, res["path"], log)) if publish else (lambda: None)
-        if not (publish and best["best_map"]):
-            why = "publish is off" if best["best_map"] else "no feasible trial"
+        go = (lambda: _publish(cfg, best, db_path, res.path, log)) if publish else (lambda: None)
+        if not (publish and best.best_map):
+            why = "publish is off" if best.best_map else "no feasible trial"
             log.info("[7/%d] publish: skipped (%s)", STAGES, why)
             published = None
         else:  # the certificate is recorded pass or fail; only a map that passed is published
             published = go() if cert is None else certify.gate(rec, cert, go, log)
 
-    png = base64.b64encode(Path(best["png"]).read_bytes()).decode()
-    create_markdown_artifact(key=f"{_key(cfg.name)}-pareto", markdown=best["table"], description="trials")
+    png = base64.b64encode(Path(best.png).read_bytes()).decode()
+    create_markdown_artifact(key=f"{_key(cfg.name)}-pareto", markdown=best.table, description="trials")
     create_markdown_artifact(
         key=f"{_key(cfg.name)}-pareto-plot", markdown=f"![Pareto front](data:image/png;base64,{png})"
     )
     summary = {
-        "table": best["table"],
+        "table": best.table,
         "study": cfg.name,
         "spec": spec,
         "trials_run": ran,
-        "front": best["front"],
-        "chosen": best["chosen"],
-        "best_map": best["best_map"],
+        "front": best.front,
+        "chosen": best.chosen,
+        "best_map": best.best_map,
         "results": str(db_path),
-        "report": str(Path(best["png"]).parent),
+        "report": str(Path(best.png).parent),
         "certified": None if cert is None else {k: cert[k] for k in ("passed", "delta", "ci_lo", "ci_hi", "n")},
         "published": published,
     }
-    print(best["table"])
-    print(f"results: {db_path}\nbest map: {best['best_map']}\nreport: {summary['report']}")
+    print(best.table)
+    print(f"results: {db_path}\nbest map: {best.best_map}\nreport: {summary['report']}")
     return summary
 
 

@@ -93,3 +93,24 @@ def pull_publication(pub: Publication, model=None, tokenizer=None, *, backend: B
 
     backend = backend or default_backend(pub.backend)
     return pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend=backend, manifest_sha256=pub.manifest_sha256)
+
+
+def serve_check(model, tokenizer, publication: Publication, local_map: str | Path) -> str:
+    """Pull a publication back (every check), serve a prompt with it, and make sure it decodes exactly as
+    the folder that was measured."""
+    import torch
+
+    from ridgefill.maps import load_maps
+    from ridgefill.runtime import FillPlan, generate
+
+    pulled = pull_publication(publication, model, tokenizer)  # its commit, checked against its manifest digest
+    ids = torch.tensor([tokenizer(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
+    outs = []
+    for folder in (pulled, local_map):
+        ms = load_maps(folder, model, tokenizer)
+        d = ms.manifest["defaults"]
+        plan = FillPlan("ridge", maps=ms, sink=d["sink"], tail=min(d["tail"], 32), share=d["share"])
+        outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
+    if outs[0] != outs[1]:
+        raise RuntimeError(f"the pulled map {pulled} decodes differently from the measured one {local_map}")
+    return f"{pulled} ({len(outs[0])} tokens, identical to the measured map)"

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -249,3 +250,39 @@ def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
         ids = random_prompt(tokenizer.vocab_size, n)
         out[str(n)] = paired_ttft(run, ids.to(device), plan, t.repeats, t.warmup)
     return out
+
+
+# --- one trial's measurements (what the Prefect tasks call) ----------------------------------------------
+
+
+@dataclass
+class Evaluation:
+    """A trial's quality: RULER delta paired against exact (mean, 95% CI {"lo", "hi", "n"}), dNLL, metric rows."""
+
+    ruler_delta: float
+    ruler_ci: dict
+    dnll: float | None
+    rows: list[tuple]
+
+
+@dataclass
+class Timing:
+    """A trial's paired TTFT: the geometric-mean speed-up and metric rows."""
+
+    speedup: float
+    rows: list[tuple]
+
+    @classmethod
+    def of(cls, results: dict) -> Timing:
+        return cls(ttft_speedup(results), ttft_rows(results))
+
+
+def evaluate_plan(model, tokenizer, plan, exact: dict, cfg: Study, ruler: dict | None = None) -> Evaluation:
+    """RULER delta paired against the exact baseline and dNLL of a trial's plan (`ruler`: already measured
+    on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers)."""
+    if ruler is None:
+        ruler = run_ruler_plan(model, tokenizer, plan, cfg.objectives.ruler)
+    paired = paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
+    dnll, nll_rows = run_nll(model, tokenizer, plan, cfg)
+    ci = {k: paired[k] for k in ("lo", "hi", "n")}
+    return Evaluation(paired["mean"], ci, dnll, ruler_rows("trial", ruler["scores"]) + nll_rows)

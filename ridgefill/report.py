@@ -4,11 +4,14 @@ constraint), the markdown table, one progress line per trial, and the Pareto plo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from optuna.trial import FrozenTrial, TrialState
 
+from ridgefill.results import Recorder
 from ridgefill.search import feasible, params_of
+from ridgefill.study import Study
 
 # --- the front and the choice --------------------------------------------------------------------------
 
@@ -100,3 +103,45 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+# --- the study's selection, recorded and written ------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    """The outcome of a study: Pareto front and chosen trial numbers, the chosen map folder, the markdown
+    table and the plot's path."""
+
+    front: list[int]
+    chosen: int | None
+    best_map: str | None
+    table: str
+    png: str
+
+
+def select(recorder: Recorder, trials: Sequence[FrozenTrial], cfg: Study, report_dir: Path) -> Selection:
+    """Pareto front and chosen map into DuckDB (judged against today's limit, also for trials run under
+    another); markdown table and PNG written to `report_dir`."""
+    from ridgefill.maps import MANIFEST, read_manifest
+
+    max_drop = cfg.constraints.max_ruler_drop
+    fr, best = front(trials, max_drop), choose(trials, max_drop)
+    keep = {t.number: t for t in fr} | ({best.number: best} if best else {})
+    rows = []
+    for t in keep.values():
+        mp = t.user_attrs.get("map_path")
+        sha = read_manifest(Path(mp))["manifest_sha256"] if mp and Path(mp, MANIFEST).is_file() else None
+        p = params_of(t)
+        rows.append(
+            (cfg.name, t.number, cfg.model.repo, mp, sha, p.get("split"), p.get("lam"), p.get("tail"),
+             p.get("share"), t.values[0], t.values[1])
+        )  # fmt: skip
+    recorder.maps(rows, cfg.name, best.number if best else None)
+    md = table(trials, best, max_drop)
+    out = Path(report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pareto.md").write_text(md + "\n")
+    png = pareto_png(trials, best, max_drop, out / "pareto.png")
+    chosen = best.number if best else None
+    return Selection([t.number for t in fr], chosen, best.user_attrs.get("map_path") if best else None, md, str(png))

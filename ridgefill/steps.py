@@ -1,12 +1,19 @@
-"""The method's steps as plain functions: load a model, capture, fit a map folder.
+"""The method's steps as plain functions: load a model, capture, fit a map folder (and, for the tune flow,
+resolve a study's weights and fit one trial).
 
 The CLI and the Prefect tasks call these; nothing here knows about either.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +26,10 @@ from ridgefill.fit import RidgeSolver
 from ridgefill.heldout import heldout_metrics
 from ridgefill.maps import write_maps
 from ridgefill.scores import rarity
+
+if TYPE_CHECKING:
+    from ridgefill.search import Params
+    from ridgefill.study import Study
 
 log = logging.getLogger(__name__)
 DEFAULT = "default"
@@ -189,3 +200,68 @@ def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, ki
         dtype=dtype,
         defaults=defaults,
     )
+
+
+# --- what the tune flow's tasks share in one process -----------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_load_lock = threading.Lock()
+
+
+@functools.cache
+def _loaded(path: str, dtype: str, device: str):
+    return load_model(path, DTYPES[dtype], device)
+
+
+def shared_model(path: str, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer), loaded once per process (the flow's tasks run in its threads and share it)."""
+    with _load_lock:
+        return _loaded(path, dtype, device)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a study's weights are, their revision and fingerprint (`fingerprint_key` + anchors hash)."""
+
+    path: str
+    revision: str
+    fingerprint: str
+
+
+def hub_snapshot(repo: str, revision: str) -> tuple[str, str]:
+    """Download (or find in the HF cache) a model's safetensors snapshot: (local dir, commit sha)."""
+    from huggingface_hub import model_info, snapshot_download
+
+    sha = model_info(repo, revision=revision).sha or revision
+    path = snapshot_download(repo, revision=sha, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+    return path, sha
+
+
+def resolve_weights(cfg: Study) -> Weights:
+    """A study's weights: its local folder (or the embedded default), else a Hub snapshot; fingerprinted at
+    every candidate split, so a new release (other anchors) gets another fingerprint."""
+    m = cfg.model
+    if m.local:
+        path = str(default_model_dir()) if m.local == "default" else m.local
+        revision = m.revision if m.local != "default" else "embedded"
+    else:
+        path, revision = hub_snapshot(m.repo, m.revision)
+    lm, tok = shared_model(path, m.dtype, cfg.hardware.device)
+    fps = [fingerprint(lm, tok, s) for s in sorted(cfg.search.splits)]
+    weights = hashlib.sha256(json.dumps([fp["anchors"] for fp in fps], sort_keys=True).encode()).hexdigest()[:16]
+    return Weights(path, revision, f"{fingerprint_key(fps[0])}-{weights}")
+
+
+@functools.cache
+def solver_for(capture_path: str, split: int) -> RidgeSolver:
+    """One eigendecomposition per capture and split serves every lambda of a study."""
+    return RidgeSolver.from_stats(load_capture(Path(capture_path)).stats(split))
+
+
+def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> Path:
+    """Fit a trial's split at its lambda and write a verified map folder with its row-policy defaults."""
+    defaults = {"tail": params.tail, "sink": params.sink, "share": params.share}
+    return build_maps(
+        model, tokenizer, load_capture(Path(capture_path)), params.split, params.lam, Path(out), defaults=defaults,
+        solver=solver_for(capture_path, params.split),
+    )  # fmt: skip

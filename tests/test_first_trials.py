@@ -29,11 +29,11 @@ def test_bracket_order(splits, order):
 
 @pytest.mark.parametrize(("budget", "want"), [(1, [20]), (2, [20, 12]), (3, [20, 12, 16]), (8, [20, 12, 16])])
 def test_first_trials_cover_the_splits_a_small_budget_allows(budget, want):
-    search = load_study(STUDY, {"search": {"splits": [12, 16, 20]}}).search
-    starts = search.first_trials(search, budget)
+    space = load_study(STUDY, {"search": {"splits": [12, 16, 20]}}).search
+    starts = search.first_trials(space, budget)
     assert [s["split"] for s in starts] == want
-    mid = (search.lam[0] * search.lam[1]) ** 0.5  # the middle lambda on the log scale
-    assert all(s["tail"] == max(search.tails) and s["lam"] == pytest.approx(mid) for s in starts)
+    mid = (space.lam[0] * space.lam[1]) ** 0.5  # the middle lambda on the log scale
+    assert all(s["tail"] == max(space.tails) and s["lam"] == pytest.approx(mid) for s in starts)
 
 
 def test_three_splits_three_trials_every_split_is_tried(tmp_path):
