@@ -2,7 +2,8 @@
 
 `publish_best` reads the study's chosen row of the pipeline's `maps` table (`ridgefill/results.py` owns that
 schema), with its trial's dNLL and its rows of `metrics`, publishes the map, and records the repo, revision
-(the study's tag), commit sha and manifest digest in the `publications` table. The results file is opened
+(the study's tag), commit sha and manifest digest in the `publications` table (the one record of a
+publication; its schema is `ridgefill/results.py`'s, and the `best_map` view shows it). The results file is opened
 for each read and written once, in one transaction, after every upload, so a long upload never holds the
 single-writer lock that the tuner needs.
 """
@@ -25,13 +26,6 @@ from registry.local import LocalBackend
 from ridgefill.maps import read_manifest
 
 log = logging.getLogger(__name__)
-PUBLICATIONS_DDL = """
-CREATE TABLE IF NOT EXISTS publications (
-    study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
-    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, manifest_sha256 VARCHAR, PRIMARY KEY (repo_id, revision)
-);
-ALTER TABLE publications ADD COLUMN IF NOT EXISTS manifest_sha256 VARCHAR;
-"""
 PUBLICATION_COLS = (
     "study", "repo_id", "revision", "commit_sha", "backend", "url", "map_path", "published_at", "manifest_sha256",
 )  # fmt: skip
@@ -159,7 +153,6 @@ def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]
     with _connect(db_path) as con:
         con.execute("BEGIN TRANSACTION")
         try:
-            con.execute(PUBLICATIONS_DDL)
             insert_rows(con, "publications", PUBLICATION_COLS, values)
             con.execute("COMMIT")
         except Exception:

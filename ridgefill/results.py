@@ -1,4 +1,5 @@
-"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region), maps and certifications.
+"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region), maps, certifications
+and publications (written by `registry`, the one record of where a map went; `best_map` shows it).
 
 DuckDB allows one process at a time to open a file for writing, so a `Recorder` opens it for each
 transaction only (one finished trial = one transaction of batched VALUES) and waits while another
@@ -42,8 +43,14 @@ CREATE TABLE IF NOT EXISTS metrics (
 CREATE TABLE IF NOT EXISTS maps (
     study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, split INTEGER, lam DOUBLE,
     tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, chosen BOOLEAN DEFAULT false,
-    published TEXT, created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
+    created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
 );
+ALTER TABLE maps DROP COLUMN IF EXISTS published;  -- files from before: publications are the one record
+CREATE TABLE IF NOT EXISTS publications (
+    study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
+    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, manifest_sha256 VARCHAR, PRIMARY KEY (repo_id, revision)
+);
+ALTER TABLE publications ADD COLUMN IF NOT EXISTS manifest_sha256 VARCHAR;
 CREATE TABLE IF NOT EXISTS certifications (
     study TEXT, trial INTEGER, passed BOOLEAN, rule TEXT, delta DOUBLE, ci_lo DOUBLE, ci_hi DOUBLE, n INTEGER,
     score DOUBLE, exact DOUBLE, tasks JSON, lengths JSON, samples INTEGER, haystack TEXT, seed INTEGER,
@@ -58,8 +65,13 @@ WHERE t.state = 'COMPLETE' AND t.feasible AND NOT EXISTS (
       AND (u.ruler_delta > t.ruler_delta OR u.speedup > t.speedup)
 );
 CREATE OR REPLACE VIEW best_map AS
-SELECT m.* FROM maps m LEFT JOIN studies s ON s.study = m.study
+SELECT m.*, p.published FROM maps m LEFT JOIN studies s ON s.study = m.study
 LEFT JOIN certifications c ON c.study = m.study AND c.trial = m.trial
+LEFT JOIN (  -- the map's latest publication, as `backend:repo@revision#commit` (`registry.Publication`)
+    SELECT study, map_path, arg_max(backend || ':' || repo_id || '@' || revision || '#' || commit_sha, published_at)
+        AS published
+    FROM publications GROUP BY study, map_path
+) p ON p.study = m.study AND p.map_path = m.path
 WHERE m.chosen AND c.passed IS NOT false  -- a map that failed its certification is never the one to serve
 QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY s.updated DESC NULLS LAST, m.speedup DESC, m.created DESC) = 1;
 """
@@ -227,9 +239,6 @@ class Recorder:
             q = "SELECT detail FROM certifications WHERE study = ? AND trial = ?"
             row = con.execute(q, [study, trial]).fetchone()
         return json.loads(row[0]) if row else None
-
-    def published(self, study: str, trial: int, where: str) -> None:
-        self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])
 
 
 def default_work() -> Path:

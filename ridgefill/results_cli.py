@@ -20,6 +20,13 @@ DEFAULT_SQL = {
 }
 
 
+def _flow():
+    """The tune flow, imported when a study is run (the CLI is the composition root: it may import the flows)."""
+    from flows.tune import tune
+
+    return tune
+
+
 def register(app: typer.Typer) -> None:
     """Add the `results` and `tune` commands to `app`."""
 
@@ -68,9 +75,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(cost.plan(load_study(find_study(plan), extra), gpu)[1])
             return
         preflight(find_study(study), extra)  # the whole study, before Prefect or any model starts
-        from flows.tune import tune as tune_flow  # the CLI is the composition root: it may import the flows
-
-        out = tune_flow(
+        out = _flow()(
             study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator, force
         )  # fmt: skip
         typer.echo("\n" + out.pop("table"))
