@@ -77,8 +77,8 @@ def _outcome(future):
 
 
 def _publish(cfg: Study, best: report.Selection, db: Path, model_path: str, log) -> str | None:
-    """Publish the chosen map through `registry.publish_best` (the registry records the publication in the
-    same results file)."""
+    """Publish the chosen map through `registry.publish_best`, which records the publication in the same results
+    file (its `publications` table, the one record; the `best_map` view shows it)."""
     import registry
 
     try:
@@ -89,8 +89,6 @@ def _publish(cfg: Study, best: report.Selection, db: Path, model_path: str, log)
             type(e).__name__, e, best.best_map, db, cfg.name,
         )  # fmt: skip
         return None
-    with Recorder(db) as rec:
-        rec.published(cfg.name, best.chosen, str(where))
     log.info("[7/%d] publish: %s", STAGES, where)
     served = serve_pulled(model_path, cfg.model.dtype, cfg.hardware.device, where, best.best_map)
     log.info("pulled back and served: %s", served)

@@ -68,8 +68,8 @@ CREATE OR REPLACE VIEW best_map AS
 SELECT m.*, p.published FROM maps m LEFT JOIN studies s ON s.study = m.study
 LEFT JOIN certifications c ON c.study = m.study AND c.trial = m.trial
 LEFT JOIN (  -- the map's latest publication, as `backend:repo@revision#commit` (`registry.Publication`)
-    SELECT study, map_path, arg_max(backend || ':' || repo_id || '@' || revision || '#' || commit_sha, published_at)
-        AS published
+    SELECT study, map_path, arg_max(backend || ':' || repo_id || '@' || revision || '#' || commit_sha,
+        coalesce(published_at, '-infinity'::TIMESTAMPTZ)) AS published
     FROM publications GROUP BY study, map_path
 ) p ON p.study = m.study AND p.map_path = m.path
 WHERE m.chosen AND c.passed IS NOT false  -- a map that failed its certification is never the one to serve

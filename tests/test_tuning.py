@@ -13,7 +13,7 @@ import pytest
 from optuna.trial import TrialState
 
 from ridgefill import objectives, report, search
-from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill.results import Recorder, TrialRecord, connect, insert_rows, query
 from ridgefill.study import load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
@@ -411,3 +411,26 @@ def test_an_older_results_file_gains_the_new_columns(tmp_path):
     rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_n FROM trials ORDER BY trial")[1]
     assert rows == [(0, -1.0, None, None), (1, -2.0, -9.0, 8)]
     assert query(db, "SELECT count(*) FROM certifications")[1] == [(0,)]
+
+
+def test_an_older_results_file_drops_maps_published(tmp_path):
+    """Files from when publications were also written into `maps.published`: the column goes, and `best_map`
+    reads the publication from `publications` alone."""
+    import duckdb
+
+    db = tmp_path / "old.duckdb"
+    with duckdb.connect(str(db)) as con:
+        con.execute(
+            "CREATE TABLE maps (study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, "
+            "split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, "
+            "chosen BOOLEAN DEFAULT false, published TEXT, created TIMESTAMP DEFAULT current_timestamp, "
+            "PRIMARY KEY (study, trial))"
+        )
+    with Recorder(db) as rec:
+        rec.maps([("s", 0, "m", "/maps/0", "sha", 2, 1e-2, 32, 0.0, -1.0, 1.4)], "s", 0)
+    assert "published" not in [c for c, *_ in query(db, "DESCRIBE maps")[1]]
+    assert query(db, "SELECT trial, published FROM best_map")[1] == [(0, None)]
+    with connect(db) as con:
+        insert_rows(con, "publications", ("study", "repo_id", "revision", "commit_sha", "backend", "map_path"),
+                    [("s", "o/r", "s", "c0ffee", "local", "/maps/0")])  # fmt: skip
+    assert query(db, "SELECT published FROM best_map")[1] == [("local:o/r@s#c0ffee",)]
