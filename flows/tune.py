@@ -37,7 +37,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.artifacts import create_markdown_artifact  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from ridgefill import certify, cost, objectives, report, search  # noqa: E402
+from ridgefill import certify, cost, objectives, report, search, settings  # noqa: E402
 from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.steps import Weights, shared_model  # noqa: E402
@@ -148,7 +148,7 @@ def tune(
     objectives.check_engine(cfg.engine)
     work_dir = Path(work) if work else default_work()
     db_path = Path(db) if db else default_db(work_dir)
-    storage = storage or os.environ.get("RIDGEFILL_OPTUNA_STORAGE")
+    storage = storage or settings.get("RIDGEFILL_OPTUNA_STORAGE")
     m = (cfg.model.dtype, cfg.hardware.device)
     cal = cfg.calibration
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +22,7 @@ from registry.base import Backend, Publication, RegistryError, tag_for
 from registry.card import CERTIFIED, EMBEDDED_BASE, GROUPS, make_card
 from registry.hub import HubBackend
 from registry.local import LocalBackend
+from ridgefill import settings
 from ridgefill.maps import read_manifest
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,14 @@ PUBLICATION_COLS = (
 
 def default_backend(kind: str | None = None, root: Path | None = None) -> Backend:
     """`hub` when a Hub token or endpoint is configured (or asked for), else the local folder registry."""
-    kind = kind or os.environ.get("RIDGEFILL_REGISTRY_BACKEND", "auto")
+    kind = kind or settings.get("RIDGEFILL_REGISTRY_BACKEND")
     if kind == "local":
         return LocalBackend(root)
     if kind == "hub":
         return HubBackend()
     if kind != "auto":
         raise RegistryError(f"unknown registry backend {kind!r} (auto | local | hub)")
-    if os.environ.get("HF_ENDPOINT") or get_token():
+    if settings.get("HF_ENDPOINT") or get_token():
         return HubBackend()
     return LocalBackend(root)
 
@@ -170,7 +170,7 @@ def base_of(db_path: Path, study: str, row: Mapping) -> dict:
 
 def default_repo(backend: Backend, base_model: str | None) -> str:
     """`$RIDGEFILL_REPO`, else `<owner>/<base model name>-ridgefill` (owner: "local", or the token's user)."""
-    if repo := os.environ.get("RIDGEFILL_REPO"):
+    if repo := settings.get("RIDGEFILL_REPO"):
         return repo
     name = (base_model or EMBEDDED_BASE).split("/")[-1].lower()
     return f"{backend.owner()}/{name}-ridgefill"

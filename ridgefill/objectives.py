@@ -208,7 +208,7 @@ def run_vllm_job(job: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "job.json"), Path(tmp, "out.json")
         src.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the subprocess's env: vLLM's own variables
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         cmd = [sys.executable, "-m", "ridgefill.evals.vllm_trial", str(src), str(dst)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -11,7 +11,6 @@ The file is created with `storage_compatibility_version='v1.5.0'` so the duckdb 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+
+from ridgefill import settings
 
 COMPAT = "v1.5.0"
 SCHEMA = """
@@ -245,12 +246,12 @@ def default_work() -> Path:
     """Where the tune flow keeps captures, maps and reports: $RIDGEFILL_WORK or <cache>/tune."""
     from ridgefill.default_model import cache_root
 
-    return Path(os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
+    return settings.work_dir() or cache_root() / "tune"
 
 
 def default_db(work: Path | None = None) -> Path:
     """The results file: $RIDGEFILL_DB or <work>/ridgefill.duckdb."""
-    return Path(os.environ.get("RIDGEFILL_DB") or (work or default_work()) / "ridgefill.duckdb")
+    return settings.db_file() or (work or default_work()) / "ridgefill.duckdb"
 
 
 def query(path: str | Path, sql: str) -> tuple[list[str], list[tuple]]:
