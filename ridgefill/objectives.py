@@ -3,7 +3,6 @@ on transformers or on one vLLM engine per trial (`ridgefill.evals.vllm_trial`, i
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 from ridgefill.study import Ruler, Study
 
 if TYPE_CHECKING:
+    from ridgefill.maps import MapSet
     from ridgefill.search import Params
 
 
@@ -101,18 +101,14 @@ def ruler_inputs_sha(r: Ruler) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)  # a trial's RULER/dNLL and TTFT steps share one verified load (8B maps: GBs)
-def _trial_maps(maps_path: str, model, tokenizer):
-    from ridgefill.maps import load_maps
-
-    return load_maps(Path(maps_path), model, tokenizer)
-
-
-def plan_for(params: Params, maps_path: str | Path | None, model, tokenizer):
-    """The trial's FillPlan: its verified map folder and protected-row policy."""
+def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer):
+    """The trial's FillPlan: its verified maps (a `MapSet` passed along as it is; a folder is loaded and
+    verified) and protected-row policy."""
+    from ridgefill.maps import MapSet, load_maps
     from ridgefill.runtime import FillPlan
 
-    maps = _trial_maps(str(maps_path), model, tokenizer) if maps_path else None
+    if maps is not None and not isinstance(maps, MapSet):
+        maps = load_maps(Path(maps), model, tokenizer)
     mode = "ridge" if maps is not None else "identity"
     return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
 

@@ -24,7 +24,7 @@ from ridgefill.default_model import cache_root, default_model_dir
 from ridgefill.fingerprint import fingerprint, fingerprint_key
 from ridgefill.fit import RidgeSolver
 from ridgefill.heldout import heldout_metrics
-from ridgefill.maps import write_maps
+from ridgefill.maps import MapSet, write_map_set
 from ridgefill.scores import rarity
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def build_maps(
     """Fit, measure on held-out windows and write a map folder (kind='identity' writes the baseline)."""
     solver = solver or RidgeSolver.from_stats(cap.stats(split))
     maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
-    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults)
+    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults).path
 
 
 def build_map_pair(
@@ -181,14 +181,14 @@ def build_map_pair(
     solver = RidgeSolver.from_stats(cap.stats(split))
     maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
     return (
-        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults),
-        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults),
+        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults).path,
+        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults).path,
     )
 
 
 def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, kind: str, maps, fit: dict,
-           dtype: torch.dtype, defaults: dict | None) -> Path:  # fmt: skip
-    return write_maps(
+           dtype: torch.dtype, defaults: dict | None) -> MapSet:  # fmt: skip
+    return write_map_set(
         out,
         {} if kind == "identity" else maps,
         fingerprint(model, tokenizer, split),
@@ -258,10 +258,11 @@ def solver_for(capture_path: str, split: int) -> RidgeSolver:
     return RidgeSolver.from_stats(load_capture(Path(capture_path)).stats(split))
 
 
-def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> Path:
-    """Fit a trial's split at its lambda and write a verified map folder with its row-policy defaults."""
-    defaults = {"tail": params.tail, "sink": params.sink, "share": params.share}
-    return build_maps(
-        model, tokenizer, load_capture(Path(capture_path)), params.split, params.lam, Path(out), defaults=defaults,
-        solver=solver_for(capture_path, params.split),
-    )  # fmt: skip
+def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> MapSet:
+    """Fit a trial's split at its lambda and write its map folder with its row-policy defaults: the verified
+    `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
+    cap, defaults = load_capture(Path(capture_path)), {"tail": params.tail, "sink": params.sink, "share": params.share}
+    maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver_for(capture_path, params.split))
+    return _write(
+        model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults
+    )
