@@ -92,23 +92,9 @@ class MapSet:
         return MapSet(self.manifest, moved, scores, self.path)
 
 
-def write_maps(
-    out: Path,
-    weights: dict[int, tuple[Tensor, Tensor]],
-    fingerprint: dict,
-    split: int,
-    *,
-    kind: str,
-    lam: float | None,
-    fit: dict,
-    scores: Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    defaults: dict | None = None,
-) -> Path:
-    """Write a map folder atomically (a sibling temp folder renamed into place)."""
-    return write_map_set(
-        out, weights, fingerprint, split, kind=kind, lam=lam, fit=fit, scores=scores, dtype=dtype, defaults=defaults
-    ).path
+def write_maps(out: Path, *args, **kwargs) -> Path:
+    """Write a map folder atomically (a sibling temp folder renamed into place); `write_map_set`'s arguments."""
+    return write_map_set(out, *args, **kwargs).path
 
 
 def write_map_set(
@@ -124,9 +110,10 @@ def write_map_set(
     dtype: torch.dtype = torch.float32,
     defaults: dict | None = None,
 ) -> MapSet:
-    """`write_maps`, returning the folder as a verified `MapSet`: the tensors just written (on the CPU, as
-    `load_maps` gives them), the sealed manifest and the folder. Each file is hashed once, as it is written;
-    the fingerprint is the writing model's own, so later steps pass this value along instead of re-verifying."""
+    """Write a map folder atomically (a sibling temp folder renamed into place) and return it as a verified
+    `MapSet`: the tensors just written (on the CPU, as `load_maps` gives them), the sealed manifest and the
+    folder. Each file is hashed once, as it is written; the fingerprint is the writing model's own, so later
+    steps pass this value along instead of re-verifying."""
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

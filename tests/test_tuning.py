@@ -393,19 +393,26 @@ def test_paired_delta_pairs_sample_by_sample():
     assert "prediction" not in objectives.sample_rows("trial", trial)[0]  # what Optuna and DuckDB keep stays small
 
 
-def test_an_older_results_file_gains_the_new_columns(tmp_path):
-    """A results file written before the CI columns and the certifications table opens and takes new rows."""
+def _old_file(path: Path, *sql: str) -> Path:
+    """A results file as an older RidgeFill left it: these statements only."""
     import duckdb
 
-    db = tmp_path / "old.duckdb"
-    with duckdb.connect(str(db)) as con:
-        con.execute(
-            "CREATE TABLE trials (study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, "
-            "share DOUBLE, sink INTEGER, ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, "
-            "map_path TEXT, params JSON, seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, "
-            "PRIMARY KEY (study, trial))"
-        )
-        con.execute("INSERT INTO trials (study, trial, state, ruler_delta) VALUES ('s', 0, 'COMPLETE', -1.0)")
+    with duckdb.connect(str(path)) as con:
+        for q in sql:
+            con.execute(q)
+    return path
+
+
+def test_an_older_results_file_gains_the_new_columns(tmp_path):
+    """A results file written before the CI columns and the certifications table opens and takes new rows."""
+    db = _old_file(
+        tmp_path / "old.duckdb",
+        "CREATE TABLE trials (study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, "
+        "share DOUBLE, sink INTEGER, ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, "
+        "map_path TEXT, params JSON, seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, "
+        "PRIMARY KEY (study, trial))",
+        "INSERT INTO trials (study, trial, state, ruler_delta) VALUES ('s', 0, 'COMPLETE', -1.0)",
+    )
     with Recorder(db) as rec:
         rec.trials([TrialRecord("s", 1, "COMPLETE", {"split": 3}, -2.0, 1.1, ruler_ci={"lo": -9.0, "hi": 1.0, "n": 8})])
     rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_n FROM trials ORDER BY trial")[1]
@@ -416,16 +423,13 @@ def test_an_older_results_file_gains_the_new_columns(tmp_path):
 def test_an_older_results_file_drops_maps_published(tmp_path):
     """Files from when publications were also written into `maps.published`: the column goes, and `best_map`
     reads the publication from `publications` alone."""
-    import duckdb
-
-    db = tmp_path / "old.duckdb"
-    with duckdb.connect(str(db)) as con:
-        con.execute(
-            "CREATE TABLE maps (study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, "
-            "split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, "
-            "chosen BOOLEAN DEFAULT false, published TEXT, created TIMESTAMP DEFAULT current_timestamp, "
-            "PRIMARY KEY (study, trial))"
-        )
+    db = _old_file(
+        tmp_path / "old.duckdb",
+        "CREATE TABLE maps (study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, "
+        "split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, "
+        "chosen BOOLEAN DEFAULT false, published TEXT, created TIMESTAMP DEFAULT current_timestamp, "
+        "PRIMARY KEY (study, trial))",
+    )
     with Recorder(db) as rec:
         rec.maps([("s", 0, "m", "/maps/0", "sha", 2, 1e-2, 32, 0.0, -1.0, 1.4)], "s", 0)
     assert "published" not in [c for c, *_ in query(db, "DESCRIBE maps")[1]]
