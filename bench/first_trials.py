@@ -1,4 +1,4 @@
-"""Trials needed to reach the front: the bracketing start (`tuning.first_trials`) against the previous one.
+"""Trials needed to reach the front: the bracketing start (`search.first_trials`) against the previous one.
 
 A replay, not a new study: each trial is scored by a stand-in built from the smollm2 study's recorded
 trials (docs/BENCHMARKS.md section 8: RULER delta 0 for S >= 18 and -50 at S=15; TTFT speed-up by split at
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import optuna
 
-from ridgefill import tuning
+from ridgefill import search
 from ridgefill.study import Search, load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
@@ -42,9 +42,9 @@ def speedup_of(split: int) -> float:
     return SPEEDUP[lo] + (SPEEDUP[hi] - SPEEDUP[lo]) * (split - lo) / (hi - lo)
 
 
-def stand_in(p: tuning.Params) -> tuning.Outcome:
+def stand_in(p: search.Params) -> search.Outcome:
     delta = 0.0 if p.split >= 18 else -50.0
-    return tuning.Outcome(delta, speedup_of(p.split) * (1 - SHARE_COST / 1.365 * p.share) * (1 + 1e-5 * (256 - p.tail)))
+    return search.Outcome(delta, speedup_of(p.split) * (1 - SHARE_COST / 1.365 * p.share) * (1 + 1e-5 * (256 - p.tail)))
 
 
 def previous_first_trials(search: Search, budget: int) -> list[dict]:
@@ -58,13 +58,13 @@ def previous_first_trials(search: Search, budget: int) -> list[dict]:
 def replay(splits: list[int], budget: int, seed: int, start, tol: float) -> int | None:
     """1-based number of the first trial on the front, or None if the budget ran out first."""
     cfg = load_study(STUDY, {"budget": {"trials": budget, "seed": seed}, "search": {"splits": splits}})
-    best = max(stand_in(tuning.Params(s, 1e-3, min(cfg.search.tails), 0.0, 4)).speedup for s in splits if s >= 18)
+    best = max(stand_in(search.Params(s, 1e-3, min(cfg.search.tails), 0.0, 4)).speedup for s in splits if s >= 18)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        study = tuning.open_study(cfg, tuning.storage(None, Path(tmp), cfg.name))
+        study = search.open_study(cfg, search.storage(None, Path(tmp), cfg.name))
         for p in start(cfg.search, budget):
             study.enqueue_trial(p, skip_if_exists=True)
-        tuning.optimize(study, cfg, lambda batch: [stand_in(p) for _, p in batch])
+        search.optimize(study, cfg, lambda batch: [stand_in(p) for _, p in batch])
         for t in sorted(study.trials, key=lambda t: t.number):
             if t.values[0] >= -cfg.constraints.max_ruler_drop and t.values[1] >= best * (1 - tol):
                 return t.number + 1
@@ -80,7 +80,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for splits in ([15, 18, 20, 22], [15, 18, 22]):
         for budget in (3, 4, 8):
-            for name, start in (("previous", previous_first_trials), ("bracketing", tuning.first_trials)):
+            for name, start in (("previous", previous_first_trials), ("bracketing", search.first_trials)):
                 got = [replay(splits, budget, seed, start, a.tol) for seed in range(a.seeds)]
                 hit = [g for g in got if g is not None]
                 med = f"{statistics.median(hit):g}" if hit else "-"

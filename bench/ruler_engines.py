@@ -2,7 +2,7 @@
 
 Fits one map for the study's model (pydoc calibration, split `--split`, the study's middle lambda), then
 times, one after the other in this order: the transformers runtime's RULER of the trial plan (one
-`generate` per sample, as `tuning.run_ruler_plan`), and the tuner's vLLM trial job (`tuning.vllm_job` +
+`generate` per sample, as `objectives.run_ruler_plan`), and the tuner's vLLM trial job (`objectives.vllm_job` +
 `run_vllm_job`: engine start, the RULER batches, no TTFT). Prints both wall times, vLLM's RULER alone
 (without the engine start), their ratios and whether the per-sample predictions agree.
 
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ridgefill import tuning
+from ridgefill import objectives
 from ridgefill.evals.ruler import load_haystack
 from ridgefill.evals.ruler_run import run_ruler
 from ridgefill.maps import load_maps
@@ -51,7 +51,7 @@ def main() -> None:
         tf_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        out = tuning.run_vllm_job(tuning.vllm_job(lm, cfg.model.dtype, plan, r))
+        out = objectives.run_vllm_job(objectives.vllm_job(lm, cfg.model.dtype, plan, r))
         vllm_s = time.perf_counter() - t
     key = lambda row: (row["task"], row["length"], row["index"])  # noqa: E731
     want = {key(row): row["prediction"] for row in ref["samples"]}

@@ -7,27 +7,24 @@ testable offline against any Hub endpoint (`HF_ENDPOINT`).
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
+from ridgefill import settings
+from ridgefill.default_model import cache_root
+from ridgefill.study import Study, load_study
 
-from ridgefill.default_model import cache_root  # noqa: E402
-from ridgefill.study import Study, load_study  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (studies/ lives there)
 
 
 def hub_commit(repo: str, revision: str, endpoint: str | None = None) -> str:
     """The commit a Hub revision points at now (HF_TOKEN is read by huggingface_hub, never logged)."""
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT")).model_info(repo, revision=revision).sha
+    return HfApi(endpoint=endpoint or settings.get("HF_ENDPOINT")).model_info(repo, revision=revision).sha
 
 
 def changed(
@@ -67,7 +64,7 @@ def retune(
     log = get_run_logger()
     paths = [Path(p) for p in studies] if studies else sorted((ROOT / "studies").glob("*.yaml"))
     cfgs = [load_study(p if p.is_absolute() or p.is_file() else ROOT / p) for p in paths]
-    state_file = Path(state or os.environ.get("RIDGEFILL_RETUNE_STATE") or cache_root() / "retune.json")
+    state_file = Path(state) if state else settings.retune_state() or cache_root() / "retune.json"
     seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
     moved, now = check(cfgs, seen, endpoint, first_is_new)
     runs = []

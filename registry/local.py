@@ -23,13 +23,14 @@ from huggingface_hub.file_download import repo_folder_name
 
 from registry.base import CARD, Publication, RegistryError, RepoEntry, check_repo_id, map_files
 from registry.card import read_card
+from ridgefill import settings
 from ridgefill.default_model import cache_root
 
 BRANCH = "main"
 
 
 def default_root() -> Path:
-    return Path(os.environ.get("RIDGEFILL_REGISTRY", cache_root() / "registry"))
+    return settings.registry_dir() or cache_root() / "registry"
 
 
 def _commit_id(parent: str | None, files: dict[str, str], message: str) -> str:

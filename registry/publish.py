@@ -2,7 +2,8 @@
 
 `publish_best` reads the study's chosen row of the pipeline's `maps` table (`ridgefill/results.py` owns that
 schema), with its trial's dNLL and its rows of `metrics`, publishes the map, and records the repo, revision
-(the study's tag), commit sha and manifest digest in the `publications` table. The results file is opened
+(the study's tag), commit sha and manifest digest in the `publications` table (the one record of a
+publication; its schema is `ridgefill/results.py`'s, and the `best_map` view shows it). The results file is opened
 for each read and written once, in one transaction, after every upload, so a long upload never holds the
 single-writer lock that the tuner needs.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,16 +22,10 @@ from registry.base import Backend, Publication, RegistryError, tag_for
 from registry.card import CERTIFIED, EMBEDDED_BASE, GROUPS, make_card
 from registry.hub import HubBackend
 from registry.local import LocalBackend
+from ridgefill import settings
 from ridgefill.maps import read_manifest
 
 log = logging.getLogger(__name__)
-PUBLICATIONS_DDL = """
-CREATE TABLE IF NOT EXISTS publications (
-    study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
-    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, manifest_sha256 VARCHAR, PRIMARY KEY (repo_id, revision)
-);
-ALTER TABLE publications ADD COLUMN IF NOT EXISTS manifest_sha256 VARCHAR;
-"""
 PUBLICATION_COLS = (
     "study", "repo_id", "revision", "commit_sha", "backend", "url", "map_path", "published_at", "manifest_sha256",
 )  # fmt: skip
@@ -39,14 +33,14 @@ PUBLICATION_COLS = (
 
 def default_backend(kind: str | None = None, root: Path | None = None) -> Backend:
     """`hub` when a Hub token or endpoint is configured (or asked for), else the local folder registry."""
-    kind = kind or os.environ.get("RIDGEFILL_REGISTRY_BACKEND", "auto")
+    kind = kind or settings.get("RIDGEFILL_REGISTRY_BACKEND")
     if kind == "local":
         return LocalBackend(root)
     if kind == "hub":
         return HubBackend()
     if kind != "auto":
         raise RegistryError(f"unknown registry backend {kind!r} (auto | local | hub)")
-    if os.environ.get("HF_ENDPOINT") or get_token():
+    if settings.get("HF_ENDPOINT") or get_token():
         return HubBackend()
     return LocalBackend(root)
 
@@ -159,7 +153,6 @@ def record_publications(db_path: Path, rows: list[tuple[str, Publication, Path]]
     with _connect(db_path) as con:
         con.execute("BEGIN TRANSACTION")
         try:
-            con.execute(PUBLICATIONS_DDL)
             insert_rows(con, "publications", PUBLICATION_COLS, values)
             con.execute("COMMIT")
         except Exception:
@@ -177,7 +170,7 @@ def base_of(db_path: Path, study: str, row: Mapping) -> dict:
 
 def default_repo(backend: Backend, base_model: str | None) -> str:
     """`$RIDGEFILL_REPO`, else `<owner>/<base model name>-ridgefill` (owner: "local", or the token's user)."""
-    if repo := os.environ.get("RIDGEFILL_REPO"):
+    if repo := settings.get("RIDGEFILL_REPO"):
         return repo
     name = (base_model or EMBEDDED_BASE).split("/")[-1].lower()
     return f"{backend.owner()}/{name}-ridgefill"

@@ -18,7 +18,17 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from registry.base import IGNORED, Backend, Publication, RegistryError
 from registry.card import EMBEDDED_BASE
 from ridgefill.default_model import DEFAULT_MODEL_NAME
-from ridgefill.maps import DIGEST, DOCS, MANIFEST, MapError, check_model, read_manifest, verify_files
+from ridgefill.maps import (
+    DIGEST,
+    DOCS,
+    MANIFEST,
+    MapError,
+    MapSet,
+    check_model,
+    read_manifest,
+    read_verified,
+    verify_files,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +87,52 @@ def pull(
 ) -> Path:
     """Download (or find in the cache) a map folder and return its path only after it verifies; given the
     `manifest_sha256` a publication recorded, the pulled manifest must be that one."""
+    return _pull(repo_id_or_model_name, revision, model, tokenizer, backend, manifest_sha256)[0]
+
+
+def _pull(name: str, revision, model, tokenizer, backend: Backend | None, manifest_sha256) -> tuple[Path, dict]:
     from registry.publish import default_backend
 
     backend = backend or default_backend()
-    repo_id = resolve(repo_id_or_model_name, backend)
+    repo_id = resolve(name, backend)
     path = backend.download(repo_id, revision)
-    verify_snapshot(path, model, tokenizer, manifest_sha256)
+    manifest = verify_snapshot(path, model, tokenizer, manifest_sha256)
     log.info("pulled %s@%s -> %s (verified)", repo_id, revision or "main", path)
-    return path
+    return path, manifest
 
 
 def pull_publication(pub: Publication, model=None, tokenizer=None, *, backend: Backend | None = None) -> Path:
     """Pull exactly what a publication recorded: its commit, checked against its manifest digest."""
+    return _pull_publication(pub, model, tokenizer, backend)[0]
+
+
+def pull_publication_maps(pub: Publication, model, tokenizer, *, backend: Backend | None = None) -> MapSet:
+    """`pull_publication`, returning the verified maps (hashes checked once, fingerprint matched to `model`)."""
+    return read_verified(*_pull_publication(pub, model, tokenizer, backend))
+
+
+def _pull_publication(pub: Publication, model, tokenizer, backend: Backend | None) -> tuple[Path, dict]:
     from registry.publish import default_backend
 
     backend = backend or default_backend(pub.backend)
-    return pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend=backend, manifest_sha256=pub.manifest_sha256)
+    return _pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend, pub.manifest_sha256)
+
+
+def serve_check(model, tokenizer, publication: Publication, local_map: str | Path) -> str:
+    """Pull a publication back (every check), serve a prompt with it, and make sure it decodes exactly as
+    the folder that was measured (each folder verified once)."""
+    import torch
+
+    from ridgefill.maps import load_maps
+    from ridgefill.runtime import FillPlan, generate
+
+    pulled = pull_publication_maps(publication, model, tokenizer)  # its commit, checked against its digest
+    ids = torch.tensor([tokenizer(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
+    outs = []
+    for ms in (pulled, load_maps(Path(local_map), model, tokenizer)):
+        d = ms.manifest["defaults"]
+        plan = FillPlan("ridge", maps=ms, sink=d["sink"], tail=min(d["tail"], 32), share=d["share"])
+        outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
+    if outs[0] != outs[1]:
+        raise RuntimeError(f"the pulled map {pulled.path} decodes differently from the measured one {local_map}")
+    return f"{pulled.path} ({len(outs[0])} tokens, identical to the measured map)"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ridgefill.study import Certify
+from ridgefill.study import Certify, Study
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +62,7 @@ def certificate(
     deltas (CI, McNemar p), the filled-region breakdown, and the tasks, lengths, samples, haystack and seed.
     """
     from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair, paired_summary, region_breakdown
-    from ridgefill.tuning import sample_rows
+    from ridgefill.objectives import sample_rows
 
     rows = sample_rows(MAP, map_rows) + sample_rows(EXACT, exact_rows)
     cells = pair(rows, MAP, EXACT)
@@ -145,3 +145,29 @@ def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger 
         return None
     logger.info("%s", summary_line(cert))
     return publish()
+
+
+def certify_trial(
+    recorder, study: str, trial, model, tokenizer, inputs_sha: str, exact: dict, cfg: Study
+) -> dict:  # fmt: skip
+    """A study's chosen trial on its `certify` benchmark, paired against `exact` (that benchmark's exact run):
+    its certificate, for `gate` to record. One already recorded for the same map, settings, inputs and limit
+    is reused, so a rerun does not pay for it again."""
+    import time
+
+    from ridgefill.evals.ruler import load_haystack
+    from ridgefill.maps import sha256_file
+    from ridgefill.objectives import plan_for, run_ruler_plan
+    from ridgefill.search import Params, params_of
+
+    spec, drop = cfg.certify, cfg.certify_drop
+    mp = trial.user_attrs["map_path"]
+    key = key_of(spec, drop, inputs_sha, sha256_file(Path(mp) / "ridgefill.json"))
+    if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
+        return old
+    t0 = time.time()
+    plan = plan_for(Params(**params_of(trial)), mp, model, tokenizer)
+    run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
+    words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
+    hay = haystack_label(spec.haystack, words)
+    return certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, time.time() - t0)

@@ -8,10 +8,11 @@ The package is never imported (it imports `llm`); its file is found through its 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import platformdirs
+
+from ridgefill import settings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,7 +20,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_root() -> Path:
     """Where RidgeFill keeps converted models, captures and maps unless told otherwise."""
-    return Path(os.environ.get("RIDGEFILL_CACHE", platformdirs.user_cache_dir("ridgefill")))
+    return settings.cache_dir() or Path(platformdirs.user_cache_dir("ridgefill"))
 
 
 def gguf_path() -> Path:

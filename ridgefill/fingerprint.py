@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -25,10 +26,27 @@ GEOMETRY_FIELDS = (
 )
 
 
+_VOCAB_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (size, hash)
+
+
 def tokenizer_hash(tokenizer) -> str:
-    """sha256 of the vocabulary (token -> id), which is what decides whether token ids mean the same."""
+    """sha256 of the vocabulary (token -> id), which is what decides whether token ids mean the same; hashed
+    once per tokenizer object (again only if its size changes, e.g. after `add_tokens`)."""
+    try:
+        size = len(tokenizer)
+        hit = _VOCAB_HASHES.get(tokenizer)
+    except TypeError:  # an object without len() or weak references: hash it every time
+        size = hit = None
+    if hit is not None and hit[0] == size:
+        return hit[1]
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    if size is not None:
+        try:
+            _VOCAB_HASHES[tokenizer] = (size, digest)
+        except TypeError:
+            pass
+    return digest
 
 
 def tensor_hash(t: torch.Tensor) -> str:

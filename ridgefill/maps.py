@@ -92,7 +92,12 @@ class MapSet:
         return MapSet(self.manifest, moved, scores, self.path)
 
 
-def write_maps(
+def write_maps(out: Path, *args, **kwargs) -> Path:
+    """Write a map folder atomically (a sibling temp folder renamed into place); `write_map_set`'s arguments."""
+    return write_map_set(out, *args, **kwargs).path
+
+
+def write_map_set(
     out: Path,
     weights: dict[int, tuple[Tensor, Tensor]],
     fingerprint: dict,
@@ -104,16 +109,23 @@ def write_maps(
     scores: Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     defaults: dict | None = None,
-) -> Path:
-    """Write a map folder atomically (a sibling temp folder renamed into place)."""
+) -> MapSet:
+    """Write a map folder atomically (a sibling temp folder renamed into place) and return it as a verified
+    `MapSet`: the tensors just written (on the CPU, as `load_maps` gives them), the sealed manifest and the
+    folder. Each file is hashed once, as it is written; the fingerprint is the writing model's own, so later
+    steps pass this value along instead of re-verifying."""
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for idx, (w, b) in sorted(weights.items()):
-        save_file({"weight": w.to(dtype).contiguous(), "bias": b.to(dtype).contiguous()}, tmp / layer_file(idx))
-    if scores is not None:
-        save_file({"token_score": scores.float().contiguous()}, tmp / SCORES)
+    written = {
+        int(i): (w.to("cpu", dtype).contiguous(), b.to("cpu", dtype).contiguous()) for i, (w, b) in weights.items()
+    }
+    for idx, (w, b) in sorted(written.items()):
+        save_file({"weight": w, "bias": b}, tmp / layer_file(idx))
+    score = None if scores is None else scores.to("cpu", torch.float32).contiguous()
+    if score is not None:
+        save_file({"token_score": score}, tmp / SCORES)
     files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.name not in DOCS}
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -129,14 +141,14 @@ def write_maps(
         "files": files,
     }
     try:
-        write_manifest(tmp, manifest)
+        sealed = write_manifest(tmp, manifest)
     except MapError as e:  # a writer's bug, found before anything replaces `out`
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"refusing to write maps to {out}: {e}") from None
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return out
+    return MapSet(sealed, written, score, out)
 
 
 def _portable_fit(fit: dict) -> dict:
@@ -262,6 +274,12 @@ def load_maps(path: Path, model=None, tokenizer=None, device: str | torch.device
         if tokenizer is None:
             raise ValueError("checking maps against a model needs its tokenizer too")
         check_model(manifest, model, tokenizer)
+    return read_verified(path, manifest, device)
+
+
+def read_verified(path: Path, manifest: dict, device: str | torch.device = "cpu") -> MapSet:
+    """The tensors of a folder whose `manifest` its caller has just verified (`load_maps`, `registry.pull`)."""
+    path = Path(path)
     weights = {}
     for idx in manifest["late_layers"]:
         t = load_file(path / layer_file(idx), device=str(device))

@@ -1,4 +1,5 @@
-"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region), maps and certifications.
+"""Tuning results in one DuckDB file: studies, trials, metrics (task x length x region), maps, certifications
+and publications (written by `registry`, the one record of where a map went; `best_map` shows it).
 
 DuckDB allows one process at a time to open a file for writing, so a `Recorder` opens it for each
 transaction only (one finished trial = one transaction of batched VALUES) and waits while another
@@ -10,7 +11,6 @@ The file is created with `storage_compatibility_version='v1.5.0'` so the duckdb 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+
+from ridgefill import settings
 
 COMPAT = "v1.5.0"
 SCHEMA = """
@@ -42,8 +44,14 @@ CREATE TABLE IF NOT EXISTS metrics (
 CREATE TABLE IF NOT EXISTS maps (
     study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, split INTEGER, lam DOUBLE,
     tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, chosen BOOLEAN DEFAULT false,
-    published TEXT, created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
+    created TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, trial)
 );
+ALTER TABLE maps DROP COLUMN IF EXISTS published;  -- files from before: publications are the one record
+CREATE TABLE IF NOT EXISTS publications (
+    study VARCHAR, repo_id VARCHAR, revision VARCHAR, commit_sha VARCHAR, backend VARCHAR,
+    url VARCHAR, map_path VARCHAR, published_at TIMESTAMPTZ, manifest_sha256 VARCHAR, PRIMARY KEY (repo_id, revision)
+);
+ALTER TABLE publications ADD COLUMN IF NOT EXISTS manifest_sha256 VARCHAR;
 CREATE TABLE IF NOT EXISTS certifications (
     study TEXT, trial INTEGER, passed BOOLEAN, rule TEXT, delta DOUBLE, ci_lo DOUBLE, ci_hi DOUBLE, n INTEGER,
     score DOUBLE, exact DOUBLE, tasks JSON, lengths JSON, samples INTEGER, haystack TEXT, seed INTEGER,
@@ -58,8 +66,13 @@ WHERE t.state = 'COMPLETE' AND t.feasible AND NOT EXISTS (
       AND (u.ruler_delta > t.ruler_delta OR u.speedup > t.speedup)
 );
 CREATE OR REPLACE VIEW best_map AS
-SELECT m.* FROM maps m LEFT JOIN studies s ON s.study = m.study
+SELECT m.*, p.published FROM maps m LEFT JOIN studies s ON s.study = m.study
 LEFT JOIN certifications c ON c.study = m.study AND c.trial = m.trial
+LEFT JOIN (  -- the map's latest publication, as `backend:repo@revision#commit` (`registry.Publication`)
+    SELECT study, map_path, arg_max(backend || ':' || repo_id || '@' || revision || '#' || commit_sha,
+        coalesce(published_at, '-infinity'::TIMESTAMPTZ)) AS published
+    FROM publications GROUP BY study, map_path
+) p ON p.study = m.study AND p.map_path = m.path
 WHERE m.chosen AND c.passed IS NOT false  -- a map that failed its certification is never the one to serve
 QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY s.updated DESC NULLS LAST, m.speedup DESC, m.created DESC) = 1;
 """
@@ -228,20 +241,17 @@ class Recorder:
             row = con.execute(q, [study, trial]).fetchone()
         return json.loads(row[0]) if row else None
 
-    def published(self, study: str, trial: int, where: str) -> None:
-        self._tx([], [("UPDATE maps SET published = ? WHERE study = ? AND trial = ?", [where, study, trial])])
-
 
 def default_work() -> Path:
     """Where the tune flow keeps captures, maps and reports: $RIDGEFILL_WORK or <cache>/tune."""
     from ridgefill.default_model import cache_root
 
-    return Path(os.environ.get("RIDGEFILL_WORK") or cache_root() / "tune")
+    return settings.work_dir() or cache_root() / "tune"
 
 
 def default_db(work: Path | None = None) -> Path:
     """The results file: $RIDGEFILL_DB or <work>/ridgefill.duckdb."""
-    return Path(os.environ.get("RIDGEFILL_DB") or (work or default_work()) / "ridgefill.duckdb")
+    return settings.db_file() or (work or default_work()) / "ridgefill.duckdb"
 
 
 def query(path: str | Path, sql: str) -> tuple[list[str], list[tuple]]:

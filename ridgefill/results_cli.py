@@ -21,16 +21,10 @@ DEFAULT_SQL = {
 
 
 def _flow():
-    """flows/tune.py of this checkout (the flows live beside the package, not inside it)."""
-    import importlib.util
+    """The tune flow, imported when a study is run (the CLI is the composition root: it may import the flows)."""
+    from flows.tune import tune
 
-    path = Path(__file__).resolve().parents[1] / "flows" / "tune.py"
-    if not path.is_file():
-        raise typer.BadParameter(f"{path} not found: run `ridgefill tune` from a RidgeFill checkout")
-    spec = importlib.util.spec_from_file_location("ridgefill_flows_tune", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tune
 
 
 def register(app: typer.Typer) -> None:
@@ -81,8 +75,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(cost.plan(load_study(find_study(plan), extra), gpu)[1])
             return
         preflight(find_study(study), extra)  # the whole study, before Prefect or any model starts
-        flow = _flow()
-        out = flow.tune(
+        out = _flow()(
             study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator, force
         )  # fmt: skip
         typer.echo("\n" + out.pop("table"))

@@ -1,12 +1,19 @@
-"""The method's steps as plain functions: load a model, capture, fit a map folder.
+"""The method's steps as plain functions: load a model, capture, fit a map folder (and, for the tune flow,
+resolve a study's weights and fit one trial).
 
 The CLI and the Prefect tasks call these; nothing here knows about either.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +24,12 @@ from ridgefill.default_model import cache_root, default_model_dir
 from ridgefill.fingerprint import fingerprint, fingerprint_key
 from ridgefill.fit import RidgeSolver
 from ridgefill.heldout import heldout_metrics
-from ridgefill.maps import write_maps
+from ridgefill.maps import MapSet, write_map_set
 from ridgefill.scores import rarity
+
+if TYPE_CHECKING:
+    from ridgefill.search import Params
+    from ridgefill.study import Study
 
 log = logging.getLogger(__name__)
 DEFAULT = "default"
@@ -150,7 +161,7 @@ def build_maps(
     """Fit, measure on held-out windows and write a map folder (kind='identity' writes the baseline)."""
     solver = solver or RidgeSolver.from_stats(cap.stats(split))
     maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
-    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults)
+    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults).path
 
 
 def build_map_pair(
@@ -170,14 +181,14 @@ def build_map_pair(
     solver = RidgeSolver.from_stats(cap.stats(split))
     maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
     return (
-        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults),
-        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults),
+        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults).path,
+        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults).path,
     )
 
 
 def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, kind: str, maps, fit: dict,
-           dtype: torch.dtype, defaults: dict | None) -> Path:  # fmt: skip
-    return write_maps(
+           dtype: torch.dtype, defaults: dict | None) -> MapSet:  # fmt: skip
+    return write_map_set(
         out,
         {} if kind == "identity" else maps,
         fingerprint(model, tokenizer, split),
@@ -188,4 +199,70 @@ def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, ki
         scores=rarity(cap.token_counts()),
         dtype=dtype,
         defaults=defaults,
+    )
+
+
+# --- what the tune flow's tasks share in one process -----------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_load_lock = threading.Lock()
+
+
+@functools.cache
+def _loaded(path: str, dtype: str, device: str):
+    return load_model(path, DTYPES[dtype], device)
+
+
+def shared_model(path: str, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer), loaded once per process (the flow's tasks run in its threads and share it)."""
+    with _load_lock:
+        return _loaded(path, dtype, device)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a study's weights are, their revision and fingerprint (`fingerprint_key` + anchors hash)."""
+
+    path: str
+    revision: str
+    fingerprint: str
+
+
+def hub_snapshot(repo: str, revision: str) -> tuple[str, str]:
+    """Download (or find in the HF cache) a model's safetensors snapshot: (local dir, commit sha)."""
+    from huggingface_hub import model_info, snapshot_download
+
+    sha = model_info(repo, revision=revision).sha or revision
+    path = snapshot_download(repo, revision=sha, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+    return path, sha
+
+
+def resolve_weights(cfg: Study) -> Weights:
+    """A study's weights: its local folder (or the embedded default), else a Hub snapshot; fingerprinted at
+    every candidate split, so a new release (other anchors) gets another fingerprint."""
+    m = cfg.model
+    if m.local:
+        path = str(default_model_dir()) if m.local == "default" else m.local
+        revision = m.revision if m.local != "default" else "embedded"
+    else:
+        path, revision = hub_snapshot(m.repo, m.revision)
+    lm, tok = shared_model(path, m.dtype, cfg.hardware.device)
+    fps = [fingerprint(lm, tok, s) for s in sorted(cfg.search.splits)]
+    weights = hashlib.sha256(json.dumps([fp["anchors"] for fp in fps], sort_keys=True).encode()).hexdigest()[:16]
+    return Weights(path, revision, f"{fingerprint_key(fps[0])}-{weights}")
+
+
+@functools.cache
+def solver_for(capture_path: str, split: int) -> RidgeSolver:
+    """One eigendecomposition per capture and split serves every lambda of a study."""
+    return RidgeSolver.from_stats(load_capture(Path(capture_path)).stats(split))
+
+
+def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> MapSet:
+    """Fit a trial's split at its lambda and write its map folder with its row-policy defaults: the verified
+    `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
+    cap, defaults = load_capture(Path(capture_path)), {"tail": params.tail, "sink": params.sink, "share": params.share}
+    maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver_for(capture_path, params.split))
+    return _write(
+        model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults
     )

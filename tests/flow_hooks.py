@@ -1,6 +1,6 @@
 """Trial evaluators for the tune flow's test hook (`evaluator="tests.flow_hooks:<name>"`, flows/tune.py).
 
-They have `tasks.run_trial`'s signature and run as the flow's `run_trial` task.
+They have `tasks.trial.run_trial`'s signature and run as the flow's `run_trial` task.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import time
 
 import optuna
 
-import tasks
-from ridgefill import tuning
+from ridgefill import search
+from tasks.trial import TrialContext, run_trial
 
 
 @functools.cache
 def _storage(url: str) -> optuna.storages.BaseStorage:
-    return tuning.storage(url, None, "")
+    return search.storage(url, None, "")
 
 
-def after_two_workers(number: int, params: dict, ctx: dict, exact: dict, cfg) -> tuning.Outcome:
+def after_two_workers(number: int, params: search.Params, ctx: TrialContext, exact: dict, cfg) -> search.Outcome:
     """Wait until two workers hold a trial of the shared study, then run the real trial (fit, RULER, TTFT):
     both workers take part whichever starts first."""
     store = _storage(os.environ["RIDGEFILL_OPTUNA_STORAGE"])
@@ -32,4 +32,4 @@ def after_two_workers(number: int, params: dict, ctx: dict, exact: dict, cfg) ->
         if time.monotonic() > deadline:
             raise TimeoutError("the other worker never asked for a trial")
         time.sleep(0.5)
-    return tasks.run_trial.fn(number, params, ctx, exact, cfg)
+    return run_trial.fn(number, params, ctx, exact, cfg)

@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 
 import registry
 from registry import LocalBackend, RegistryError, pull
-from ridgefill import certify, tuning
+from ridgefill import certify, objectives
 from ridgefill.results import Recorder, TrialRecord, query
 from ridgefill.study import Certify
 from tests.test_registry import make_maps
@@ -21,7 +21,7 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def rows(scores: dict[str, list[float]], length: int = 2048, region: str = "bulk") -> list[dict]:
-    """Per-sample rows as `tuning.run_ruler_plan` gives them."""
+    """Per-sample rows as `objectives.run_ruler_plan` gives them."""
     return [
         {"plan": "p", "task": t, "length": length, "index": i, "region": region, "score": s}
         for t, ss in scores.items()
@@ -142,10 +142,10 @@ def test_real_small_certification_on_smollm2(smollm2):
 
     model, tok = smollm2
     spec = Certify(tasks=["niah_single_1"], lengths=[512], samples=2, haystack="pydoc", seed=0)
-    exact = tuning.run_ruler_plan(model, tok, FillPlan(), spec.ruler())["samples"]
+    exact = objectives.run_ruler_plan(model, tok, FillPlan(), spec.ruler())["samples"]
     assert len(exact) == 2
     for plan in (FillPlan("plumb", split=10, tail=16), FillPlan("identity", split=4, tail=16)):
-        got = tuning.run_ruler_plan(model, tok, plan, spec.ruler())["samples"]
+        got = objectives.run_ruler_plan(model, tok, plan, spec.ruler())["samples"]
         cert = certify.certificate("s", 0, spec, 10.0, got, exact, "pydoc")
         by_hand = sum(g["score"] - e["score"] for g, e in zip(got, exact, strict=True)) / 2
         assert cert["n"] == 2 and cert["delta"] == pytest.approx(by_hand)

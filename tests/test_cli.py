@@ -131,6 +131,8 @@ def test_results_and_publish_from_the_db(built, tmp_path):
     assert pub["revision"] == "tiny-1"
     assert query(db, "SELECT study, repo_id, revision FROM publications")[1] == [("tiny-1", "me/tiny-ridgefill",
                                                                                     "tiny-1")]  # fmt: skip
+    # `ridgefill results` shows it from `publications`, the one record of a publication
+    assert f"local:me/tiny-ridgefill@tiny-1#{pub['commit_sha']}" in _run(["results", "--db", db]).stdout
 
 
 @pytest.mark.slow

@@ -167,7 +167,7 @@ def test_tune_flow_refuses_an_over_budget_study_before_any_work(tmp_path):
 
     root = STUDIES.parent
     over = '{"budget": {"hours": 1}}'
-    cmd = [sys.executable, str(root / "flows" / "tune.py"), str(STUDIES / "qwen3-8b.yaml"), "--no-publish",
+    cmd = [sys.executable, "-m", "flows.tune", str(STUDIES / "qwen3-8b.yaml"), "--no-publish",
            "--work", str(tmp_path / "w"), "--db", str(tmp_path / "r.duckdb"), "--overrides", over]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ridgefill import tuning
+from ridgefill import search
 from ridgefill.study import load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
@@ -24,26 +24,26 @@ STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
     ],
 )
 def test_bracket_order(splits, order):
-    assert tuning.bracket(splits) == order
+    assert search.bracket(splits) == order
 
 
 @pytest.mark.parametrize(("budget", "want"), [(1, [20]), (2, [20, 12]), (3, [20, 12, 16]), (8, [20, 12, 16])])
 def test_first_trials_cover_the_splits_a_small_budget_allows(budget, want):
-    search = load_study(STUDY, {"search": {"splits": [12, 16, 20]}}).search
-    starts = tuning.first_trials(search, budget)
+    space = load_study(STUDY, {"search": {"splits": [12, 16, 20]}}).search
+    starts = search.first_trials(space, budget)
     assert [s["split"] for s in starts] == want
-    mid = (search.lam[0] * search.lam[1]) ** 0.5  # the middle lambda on the log scale
-    assert all(s["tail"] == max(search.tails) and s["lam"] == pytest.approx(mid) for s in starts)
+    mid = (space.lam[0] * space.lam[1]) ** 0.5  # the middle lambda on the log scale
+    assert all(s["tail"] == max(space.tails) and s["lam"] == pytest.approx(mid) for s in starts)
 
 
 def test_three_splits_three_trials_every_split_is_tried(tmp_path):
     """The issue's case: 3 candidate splits, a budget of 3 on a new model; every split runs once."""
     cfg = load_study(STUDY, {"budget": {"trials": 3}, "search": {"splits": [12, 16, 20]}})
-    study = tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
-    assert tuning.enqueue_first(study, cfg) == 3
+    study = search.open_study(cfg, search.storage(None, tmp_path, cfg.name))
+    assert search.enqueue_first(study, cfg) == 3
 
     def evaluate(batch):
-        return [tuning.Outcome(-(20 - p.split) * 2.0, 1.0 + (30 - p.split) / 10) for _, p in batch]
+        return [search.Outcome(-(20 - p.split) * 2.0, 1.0 + (30 - p.split) / 10) for _, p in batch]
 
-    assert tuning.optimize(study, cfg, evaluate) == 3
+    assert search.optimize(study, cfg, evaluate) == 3
     assert sorted(t.params["split"] for t in study.trials) == [12, 16, 20]

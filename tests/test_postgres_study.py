@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from ridgefill import tuning
+from ridgefill import report, search
 from ridgefill.results import query
 from ridgefill.study import load_study
 
@@ -159,7 +159,7 @@ def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_pa
         assert "| trial | split | lambda |" in out and "synced the whole shared study" in out
 
     expected = sorted((t.number, t.params["split"], round(t.values[0], 6), round(t.values[1], 6)) for t in trials)
-    chosen = tuning.choose(trials, cfg.constraints.max_ruler_drop).number
+    chosen = report.choose(trials, cfg.constraints.max_ruler_drop).number
     for i in range(2):  # after the final sync each run's DuckDB file holds the whole study, whoever ran a trial
         db = tmp_path / f"worker{i}.duckdb"
         _, rows = query(db, "SELECT trial, split, round(ruler_delta, 6), round(speedup, 6) FROM trials ORDER BY 1")
@@ -172,6 +172,6 @@ def test_two_tune_runs_share_one_postgres_study(postgres_url, tiny_study, tmp_pa
 def optuna_study(url: str):
     import optuna
 
-    name = optuna.study.get_all_study_names(storage=tuning.storage(url, None, ""))
+    name = optuna.study.get_all_study_names(storage=search.storage(url, None, ""))
     assert len(name) == 1  # one run name: both runs saw the same weights
-    return optuna.load_study(study_name=name[0], storage=tuning.storage(url, None, ""))
+    return optuna.load_study(study_name=name[0], storage=search.storage(url, None, ""))

@@ -502,8 +502,7 @@ def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp
         )
         rec.maps([("smol", 3, base, str(maps_dir), "sha", 2, 1e-3, 8, 0.0, -0.01, 1.6)], "smol", 3)
         pub = registry.publish_best(db=str(db), study="smol", map_path=str(maps_dir))
-        rec.published("smol", 3, str(pub))
-    published = query(db, "SELECT published FROM maps")[1]
+    published = query(db, "SELECT published FROM best_map")[1]  # from `publications`, the one record
     recorded = query(db, "SELECT study, repo_id, revision, commit_sha FROM publications")[1]
     assert pub.backend == "local" and pub.repo_id == "local/smollm2-135m-instruct-ridgefill" and pub.revision == "smol"
     assert published == [(str(pub),)] and recorded == [("smol", pub.repo_id, "smol", pub.commit_sha)]

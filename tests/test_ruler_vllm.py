@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from ridgefill import tuning  # noqa: E402
+from ridgefill import objectives, search  # noqa: E402
 from ridgefill.evals.ruler import load_haystack  # noqa: E402
 from ridgefill.evals.ruler_run import run_ruler  # noqa: E402
 from ridgefill.maps import load_maps  # noqa: E402
@@ -58,7 +58,7 @@ def setup(tmp_path_factory, smollm2, cfg):
 def run_jobs(monkeypatch, call):
     """`call` with the tuner's vLLM jobs run for real and per-step margins asked for: (its value, the results)."""
     seen: list[dict] = []
-    real = tuning.run_vllm_job
+    real = objectives.run_vllm_job
 
     def run(job: dict) -> dict:
         if job.get("ruler"):
@@ -67,7 +67,7 @@ def run_jobs(monkeypatch, call):
         return seen[-1]
 
     with monkeypatch.context() as m:
-        m.setattr(tuning, "run_vllm_job", run)
+        m.setattr(objectives, "run_vllm_job", run)
         return call(), seen
 
 
@@ -77,7 +77,10 @@ def baseline(setup, cfg):
     s = setup
     with pytest.MonkeyPatch.context() as mp:
         scores, (out,) = run_jobs(
-            mp, lambda: tuning.run_ruler_plan(s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32")
+            mp,
+            lambda: objectives.run_ruler_plan(
+                s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32"
+            ),
         )
     return scores, out
 
@@ -109,9 +112,9 @@ def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
 
 def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, cfg, baseline, monkeypatch):
     s = setup
-    params = tuning.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
-    plan = tuning.plan_for(params, s["folder"], s["model"], s["tok"])
-    res, (out,) = run_jobs(monkeypatch, lambda: tuning.run_trial_vllm(s["model"], plan, cfg))  # one engine: both
+    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
+    res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg))  # one engine: both
     assert out["ridgefill_active"] is True
     rows = out["ruler"]["samples"]
     assert {r["plan"] for r in rows} == {"p"}
@@ -123,4 +126,4 @@ def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, 
     assert res["ruler"]["scores"] == out["ruler"]["scores"]["p"] and len(res["ruler"]["samples"]) == len(rows)
     ttft = res["ttft"]["512"]
     assert ttft["tokens"] == 512 and len(ttft["exact_s"]) == len(ttft["fill_s"]) == 1
-    assert math.isfinite(tuning.ttft_speedup(res["ttft"])) and tuning.ttft_speedup(res["ttft"]) > 0
+    assert math.isfinite(objectives.ttft_speedup(res["ttft"])) and objectives.ttft_speedup(res["ttft"]) > 0

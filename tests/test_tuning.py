@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from ridgefill import tuning
-from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill import objectives, report, search
+from ridgefill.results import Recorder, TrialRecord, connect, insert_rows, query
 from ridgefill.study import load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
 DROP = load_study(STUDY).constraints.max_ruler_drop
 
 
-def fake_outcome(p: tuning.Params) -> tuning.Outcome:
+def fake_outcome(p: search.Params) -> search.Outcome:
     """A cheap deterministic stand-in for fit + RULER + TTFT: a larger lambda costs RULER points."""
     delta = -40.0 * p.lam - (20 - p.split)
     rows = [("ruler", "trial", "niah_single_1", 1024, "all", 100 + delta, 3)]
-    return tuning.Outcome(delta, 1.0 + (30 - p.split) / 10 + p.lam, None, f"maps/{p.split}-{p.lam:.4g}", rows)
+    return search.Outcome(delta, 1.0 + (30 - p.split) / 10 + p.lam, None, f"maps/{p.split}-{p.lam:.4g}", rows)
 
 
 def test_recorder_upserts_and_views(tmp_path):
@@ -59,28 +59,28 @@ def test_recorder_upserts_and_views(tmp_path):
 
 def _study(tmp_path, trials=4) -> tuple:
     cfg = load_study(STUDY, {"budget": {"trials": trials}, "search": {"lam": [1e-3, 1e-1]}})
-    return cfg, tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
+    return cfg, search.open_study(cfg, search.storage(None, tmp_path, cfg.name))
 
 
 def test_front_choose_and_reports(tmp_path):
     cfg, study = _study(tmp_path, trials=6)
-    assert tuning.enqueue_first(study, cfg) == 3 and tuning.enqueue_first(study, cfg) == 0
-    ran = tuning.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
-    assert ran == 6 and tuning.completed(study) == 6
+    assert search.enqueue_first(study, cfg) == 3 and search.enqueue_first(study, cfg) == 0
+    ran = search.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
+    assert ran == 6 and search.completed(study) == 6
     first = [t.params for t in study.trials[:3]]
     # enqueued: the split range bracketed, the safest first (largest, smallest, the middle)
     assert [p["split"] for p in first] == [22, 15, 18] and all(p["tail"] == 256 for p in first)
     trials = study.trials
     fr, best = (
-        tuning.front(trials, cfg.constraints.max_ruler_drop),
-        tuning.choose(trials, cfg.constraints.max_ruler_drop),
+        report.front(trials, cfg.constraints.max_ruler_drop),
+        report.choose(trials, cfg.constraints.max_ruler_drop),
     )
-    assert all(tuning.feasible(t, DROP) for t in fr) and best in fr
-    assert all(t.values[1] <= best.values[1] for t in trials if tuning.feasible(t, DROP))
-    assert not any(tuning.feasible(t, DROP) for t in trials if t.values[0] < -cfg.constraints.max_ruler_drop)
-    md = tuning.table(trials, best, cfg.constraints.max_ruler_drop)
+    assert all(search.feasible(t, DROP) for t in fr) and best in fr
+    assert all(t.values[1] <= best.values[1] for t in trials if search.feasible(t, DROP))
+    assert not any(search.feasible(t, DROP) for t in trials if t.values[0] < -cfg.constraints.max_ruler_drop)
+    md = report.table(trials, best, cfg.constraints.max_ruler_drop)
     assert md.count("\n| ") == 6 + 1 and "**" in md
-    png = tuning.pareto_png(trials, best, cfg.constraints.max_ruler_drop, tmp_path / "p.png")
+    png = report.pareto_png(trials, best, cfg.constraints.max_ruler_drop, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -110,18 +110,18 @@ def test_choice_keeps_to_the_constraint_when_an_infeasible_trial_is_fastest():
         _trial(5, -3.0, 1.50),
     ]
     drop = 10.0
-    assert [tuning.feasible(t, drop) for t in trials] == [True, False, True, False, False, True]
-    best = tuning.choose(trials, drop)
+    assert [search.feasible(t, drop) for t in trials] == [True, False, True, False, False, True]
+    best = report.choose(trials, drop)
     assert best.number == 2
-    assert [t.number for t in tuning.front(trials, drop)] == [0, 2, 5]
-    assert tuning.choose(trials, 30.0).number == 1  # a looser limit admits the fastest one
-    assert tuning.choose(trials, 0.5) is None  # nothing inside the limit: no map is chosen
-    md = tuning.table(trials, best, drop)
+    assert [t.number for t in report.front(trials, drop)] == [0, 2, 5]
+    assert report.choose(trials, 30.0).number == 1  # a looser limit admits the fastest one
+    assert report.choose(trials, 0.5) is None  # nothing inside the limit: no map is chosen
+    md = report.table(trials, best, drop)
     chosen_row = next(line for line in md.splitlines() if line.startswith("| 2 |"))
     assert chosen_row.endswith("| yes | ** |")
     assert next(line for line in md.splitlines() if line.startswith("| 1 |")).endswith("| no |  |")
-    rec = tuning.record_of("s", trials[1], drop)
-    assert rec.feasible is False and tuning.record_of("s", trials[2], drop).feasible is True
+    rec = search.record_of("s", trials[1], drop)
+    assert rec.feasible is False and search.record_of("s", trials[2], drop).feasible is True
 
 
 def test_choice_tie_break_and_the_limit_itself():
@@ -129,12 +129,12 @@ def test_choice_tie_break_and_the_limit_itself():
     is inside it."""
     drop = 10.0
     trials = [_trial(0, -4.0, 2.0), _trial(1, -2.0, 2.0), _trial(2, -6.0, 2.0), _trial(3, -9.0, 1.0)]
-    assert tuning.choose(trials, drop).number == 1  # equal speed-up: the smaller drop
+    assert report.choose(trials, drop).number == 1  # equal speed-up: the smaller drop
     same = [_trial(4, -2.0, 2.0), _trial(1, -2.0, 2.0), _trial(7, -2.0, 2.0)]
-    assert tuning.choose(same, drop).number == 1  # equal on both: the earliest trial, whatever the order
-    assert [t.number for t in tuning.front(same, drop)] == [1, 4, 7]  # equal trials do not dominate each other
+    assert report.choose(same, drop).number == 1  # equal on both: the earliest trial, whatever the order
+    assert [t.number for t in report.front(same, drop)] == [1, 4, 7]  # equal trials do not dominate each other
     edge = [_trial(0, -10.0, 1.5), _trial(1, -10.0 - 1e-9, 1.6)]
-    assert tuning.choose(edge, drop).number == 0 and [t.number for t in tuning.front(edge, drop)] == [0]
+    assert report.choose(edge, drop).number == 0 and [t.number for t in report.front(edge, drop)] == [0]
 
 
 def test_one_progress_line_per_trial(tmp_path):
@@ -147,9 +147,9 @@ def test_one_progress_line_per_trial(tmp_path):
         return [RuntimeError("out of memory") if n == 1 else fake_outcome(p) for n, p in batch]
 
     def on_trial(t):
-        lines.append(tuning.progress_line(t, tuning.completed(study), cfg.budget.trials, DROP))
+        lines.append(report.progress_line(t, search.completed(study), cfg.budget.trials, DROP))
 
-    tuning.optimize(study, cfg, evaluate, on_trial=on_trial)
+    search.optimize(study, cfg, evaluate, on_trial=on_trial)
     assert len(lines) == 4  # three complete and one failed
     line = re.compile(
         r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+) \| "
@@ -169,9 +169,9 @@ def test_one_progress_line_per_trial(tmp_path):
 def test_settle_waits_for_trials_other_workers_still_run(tmp_path):
     cfg, study = _study(tmp_path, trials=2)
     running = study.ask()  # another worker's trial
-    assert tuning.settle(study, timeout=0.3, poll=0.1) == 1  # bounded: it gives up and says how many run
+    assert search.settle(study, timeout=0.3, poll=0.1) == 1  # bounded: it gives up and says how many run
     threading.Timer(0.5, lambda: study.tell(running, [-1.0, 1.5])).start()
-    assert tuning.settle(study, timeout=30, poll=0.1) == 0
+    assert search.settle(study, timeout=30, poll=0.1) == 0
 
 
 def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
@@ -181,11 +181,11 @@ def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
         return [RuntimeError("boom") if n == 1 else fake_outcome(p) for n, p in batch]
 
     with Recorder(tmp_path / "r.duckdb") as rec:
-        tuning.optimize(
+        search.optimize(
             study,
             cfg,
             evaluate,
-            on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]),
+            on_trial=lambda t: rec.trials([search.record_of(cfg.name, t, DROP)]),
         )
     states = [t.state for t in study.trials]
     assert states.count(TrialState.COMPLETE) == 3 and states[1] == TrialState.FAIL
@@ -197,18 +197,18 @@ def test_selection_uses_todays_limit_and_fixed_params_are_recorded(tmp_path):
     """A limit tightened after trials ran applies to them too; parameters with a fixed range (share 0,
     not suggested to Optuna) still reach DuckDB."""
     cfg = load_study(STUDY, {"budget": {"trials": 6}, "search": {"lam": [1e-3, 1e-1], "share": [0.0, 0.0]}})
-    study = tuning.open_study(cfg, tuning.storage(None, tmp_path, cfg.name))
-    tuning.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
+    study = search.open_study(cfg, search.storage(None, tmp_path, cfg.name))
+    search.optimize(study, cfg, lambda batch: [fake_outcome(p) for _, p in batch])
     trials = study.trials
     assert all("share" not in t.params for t in trials)  # never suggested
     deltas = sorted({t.values[0] for t in trials}, reverse=True)
     tight = -deltas[1] - 1e-9 if len(deltas) > 1 else 0.0  # excludes all but the best RULER delta
-    best = tuning.choose(trials, tight)
+    best = report.choose(trials, tight)
     assert best is not None and best.values[0] >= -tight
-    assert all(t.values[0] >= -tight for t in tuning.front(trials, tight))
-    assert len(tuning.front(trials, tight)) <= len(tuning.front(trials, DROP))
+    assert all(t.values[0] >= -tight for t in report.front(trials, tight))
+    assert len(report.front(trials, tight)) <= len(report.front(trials, DROP))
     with Recorder(tmp_path / "r.duckdb") as rec:
-        tuning.sync(rec, study, DROP)
+        search.sync(rec, study, DROP)
     rows = query(tmp_path / "r.duckdb", "SELECT share, sink, lam FROM trials")[1]
     assert len(rows) == 6 and all(share == 0.0 and sink is not None and lam is not None for share, sink, lam in rows)
 
@@ -221,11 +221,11 @@ def test_a_retry_that_dies_again_is_not_retried(tmp_path):
     owner = f"{socket.gethostname()}:{int(dead.stdout)}"
     first = study.ask()
     first.set_user_attr("owner", owner)
-    assert tuning.recover(study) == [first.number]
+    assert search.recover(study) == [first.number]
     retry = study.ask()  # the re-enqueued parameters
     assert retry.user_attrs["retry_of"] == first.number
     retry.set_user_attr("owner", owner)
-    assert tuning.recover(study) == [retry.number]
+    assert search.recover(study) == [retry.number]
     assert not study.get_trials(states=(TrialState.WAITING,))  # no third attempt
     assert "died again" in study.trials[retry.number].user_attrs["error"]
 
@@ -235,19 +235,19 @@ KILLED = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_tuning import fake_outcome
-    from ridgefill import tuning
+    from ridgefill import objectives, report, search
     from ridgefill.results import Recorder
     from ridgefill.study import load_study
     cfg = load_study({study!r}, {{"budget": {{"trials": 4}}, "search": {{"lam": [1e-3, 1e-1]}}}})
     DROP = cfg.constraints.max_ruler_drop
-    s = tuning.open_study(cfg, tuning.storage(None, {root!r}, cfg.name))
-    tuning.enqueue_first(s, cfg)
+    s = search.open_study(cfg, search.storage(None, {root!r}, cfg.name))
+    search.enqueue_first(s, cfg)
     def evaluate(batch):
         if batch[0][0] == 2:
             os.kill(os.getpid(), signal.SIGKILL)  # dies mid-trial, DuckDB and the journal open
         return [fake_outcome(p) for _, p in batch]
     rec = Recorder({db!r})
-    tuning.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
+    search.optimize(s, cfg, evaluate, on_trial=lambda t: rec.trials([search.record_of(cfg.name, t, DROP)]))
     """
 )
 
@@ -263,10 +263,10 @@ def test_killed_trial_resumes_without_duplicates(tmp_path):
     assert [t.number for t in running] == [2]
     killed_params = running[0].params
     with Recorder(db) as rec:  # the killed writer's file opens whole
-        assert tuning.sync(rec, study, DROP) == 2
-        tuning.optimize(study, cfg, lambda b: [fake_outcome(p) for _, p in b],
-                        on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))  # fmt: skip
-        tuning.sync(rec, study, DROP)  # a second sync replays everything: still no duplicates
+        assert search.sync(rec, study, DROP) == 2
+        search.optimize(study, cfg, lambda b: [fake_outcome(p) for _, p in b],
+                        on_trial=lambda t: rec.trials([search.record_of(cfg.name, t, DROP)]))  # fmt: skip
+        search.sync(rec, study, DROP)  # a second sync replays everything: still no duplicates
     trials = study.trials
     assert [t.state for t in trials].count(TrialState.COMPLETE) == 4
     assert trials[2].state == TrialState.FAIL and trials[3].params == killed_params  # retried first
@@ -279,22 +279,22 @@ def test_killed_trial_resumes_without_duplicates(tmp_path):
 
 def test_engine_names_are_checked_early(monkeypatch):
     with pytest.raises(RuntimeError, match="engine 'tensorrt' is unknown"):
-        tuning.check_engine("tensorrt")
+        objectives.check_engine("tensorrt")
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(RuntimeError, match="engine 'vllm' needs vLLM installed"):
-        tuning.check_engine("vllm")
+        objectives.check_engine("vllm")
 
 
 def test_ruler_delta_and_ttft_pieces():
     exact = {"a": {"512": {"all": 100.0}}, "b": {"512": {"all": 50.0}}}
     trial = {"a": {"512": {"all": 90.0, "bulk": 80.0, "tail": 100.0, "sink": None, "n": 3, "n_bulk": 2,
                            "n_tail": 1, "n_sink": 0}}, "b": {"512": {"all": 50.0, "n": 1}}}  # fmt: skip
-    assert tuning.ruler_delta(trial, exact) == -5.0
-    assert {r[4] for r in tuning.ruler_rows("trial", trial)} == {"all", "bulk", "tail"}
-    assert tuning.ttft_speedup({"1": {"speedup": 2.0}, "2": {"speedup": 0.5}}) == pytest.approx(1.0)
+    assert objectives.ruler_delta(trial, exact) == -5.0
+    assert {r[4] for r in objectives.ruler_rows("trial", trial)} == {"all", "bulk", "tail"}
+    assert objectives.ttft_speedup({"1": {"speedup": 2.0}, "2": {"speedup": 0.5}}) == pytest.approx(1.0)
 
 
 def test_capture_is_reused_not_recaptured(tokenizer, tiny_models, tmp_path, monkeypatch):
@@ -319,9 +319,9 @@ def test_study_storage_choices(tmp_path):
     from optuna.storages import RDBStorage
     from optuna.storages.journal import JournalStorage
 
-    assert isinstance(tuning.storage(None, tmp_path, "x"), JournalStorage)
+    assert isinstance(search.storage(None, tmp_path, "x"), JournalStorage)
     assert (tmp_path / "optuna" / "x.journal").parent.is_dir()
-    assert isinstance(tuning.storage(f"sqlite:///{tmp_path}/o.db", tmp_path, "x"), RDBStorage)
+    assert isinstance(search.storage(f"sqlite:///{tmp_path}/o.db", tmp_path, "x"), RDBStorage)
 
 
 def test_two_processes_record_into_one_file_in_turns(tmp_path):
@@ -355,21 +355,21 @@ def test_constraint_is_the_paired_ci_lower_bound(tmp_path):
         outs = []
         for n, _ in batch:
             mean, lo, hi = cis[n]
-            outs.append(tuning.Outcome(mean, 1.0 + n / 10, None, f"maps/{n}", [], {"lo": lo, "hi": hi, "n": 24}))
+            outs.append(search.Outcome(mean, 1.0 + n / 10, None, f"maps/{n}", [], {"lo": lo, "hi": hi, "n": 24}))
         return outs
 
     db = tmp_path / "r.duckdb"
     with Recorder(db) as rec:
-        tuning.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([tuning.record_of(cfg.name, t, DROP)]))
+        search.optimize(study, cfg, evaluate, on_trial=lambda t: rec.trials([search.record_of(cfg.name, t, DROP)]))
     trials = study.trials
-    assert [tuning.feasible(t, DROP) for t in trials] == [False, True, True]
+    assert [search.feasible(t, DROP) for t in trials] == [False, True, True]
     assert trials[0].constraints == {"ruler_drop": pytest.approx(5.0)}  # > 0: violated
     assert trials[1].user_attrs["ruler_ci"] == {"lo": -DROP + 2, "hi": 0.0, "n": 24}
-    assert tuning.choose(trials, DROP).number == 2 and 0 not in [t.number for t in tuning.front(trials, DROP)]
+    assert report.choose(trials, DROP).number == 2 and 0 not in [t.number for t in report.front(trials, DROP)]
     rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_ci_hi, ruler_n, feasible FROM trials ORDER BY 1")
     lo0, lo1 = -DROP - 5, -DROP + 2
     assert rows[1] == [(0, -2.0, lo0, 1.0, 24, False), (1, -5.0, lo1, 0.0, 24, True), (2, 0.0, 0.0, 0.0, 24, True)]
-    md = tuning.table(trials, None, DROP)
+    md = report.table(trials, None, DROP)
     assert "95% CI lower bound" in md and f"[{lo0:+.1f}, +1.0] (24)" in md
 
 
@@ -383,31 +383,58 @@ def test_paired_delta_pairs_sample_by_sample():
 
     exact = rows({"a": [100.0, 100.0, 0.0, 100.0], "b": [100.0, 0.0]})
     trial = rows({"a": [100.0, 0.0, 100.0], "b": [0.0, 0.0, 100.0]})  # a: 3 of exact's 4; b: one unpaired extra
-    d = tuning.paired_delta(trial, exact)
+    d = objectives.paired_delta(trial, exact)
     assert d["n"] == 5 and d["cells"] == 2
     assert d["mean"] == pytest.approx(((0 - 100 + 100) / 3 + (-100 + 0) / 2) / 2)
     assert d["lo"] <= d["mean"] <= d["hi"]
-    assert tuning.paired_delta(exact, exact) == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 6, "cells": 2}
+    assert objectives.paired_delta(exact, exact) == {"mean": 0.0, "lo": 0.0, "hi": 0.0, "n": 6, "cells": 2}
     with pytest.raises(ValueError, match="no RULER sample of the trial has an exact partner"):
-        tuning.paired_delta(rows({"c": [1.0]}), exact)
-    assert "prediction" not in tuning.sample_rows("trial", trial)[0]  # what Optuna and DuckDB keep stays small
+        objectives.paired_delta(rows({"c": [1.0]}), exact)
+    assert "prediction" not in objectives.sample_rows("trial", trial)[0]  # what Optuna and DuckDB keep stays small
+
+
+def _old_file(path: Path, *sql: str) -> Path:
+    """A results file as an older RidgeFill left it: these statements only."""
+    import duckdb
+
+    with duckdb.connect(str(path)) as con:
+        for q in sql:
+            con.execute(q)
+    return path
 
 
 def test_an_older_results_file_gains_the_new_columns(tmp_path):
     """A results file written before the CI columns and the certifications table opens and takes new rows."""
-    import duckdb
-
-    db = tmp_path / "old.duckdb"
-    with duckdb.connect(str(db)) as con:
-        con.execute(
-            "CREATE TABLE trials (study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, "
-            "share DOUBLE, sink INTEGER, ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, "
-            "map_path TEXT, params JSON, seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, "
-            "PRIMARY KEY (study, trial))"
-        )
-        con.execute("INSERT INTO trials (study, trial, state, ruler_delta) VALUES ('s', 0, 'COMPLETE', -1.0)")
+    db = _old_file(
+        tmp_path / "old.duckdb",
+        "CREATE TABLE trials (study TEXT, trial INTEGER, state TEXT, split INTEGER, lam DOUBLE, tail INTEGER, "
+        "share DOUBLE, sink INTEGER, ruler_delta DOUBLE, speedup DOUBLE, dnll DOUBLE, feasible BOOLEAN, "
+        "map_path TEXT, params JSON, seconds DOUBLE, finished TIMESTAMP DEFAULT current_timestamp, "
+        "PRIMARY KEY (study, trial))",
+        "INSERT INTO trials (study, trial, state, ruler_delta) VALUES ('s', 0, 'COMPLETE', -1.0)",
+    )
     with Recorder(db) as rec:
         rec.trials([TrialRecord("s", 1, "COMPLETE", {"split": 3}, -2.0, 1.1, ruler_ci={"lo": -9.0, "hi": 1.0, "n": 8})])
     rows = query(db, "SELECT trial, ruler_delta, ruler_ci_lo, ruler_n FROM trials ORDER BY trial")[1]
     assert rows == [(0, -1.0, None, None), (1, -2.0, -9.0, 8)]
     assert query(db, "SELECT count(*) FROM certifications")[1] == [(0,)]
+
+
+def test_an_older_results_file_drops_maps_published(tmp_path):
+    """Files from when publications were also written into `maps.published`: the column goes, and `best_map`
+    reads the publication from `publications` alone."""
+    db = _old_file(
+        tmp_path / "old.duckdb",
+        "CREATE TABLE maps (study TEXT, trial INTEGER, model TEXT, path TEXT, manifest_sha256 TEXT, "
+        "split INTEGER, lam DOUBLE, tail INTEGER, share DOUBLE, ruler_delta DOUBLE, speedup DOUBLE, "
+        "chosen BOOLEAN DEFAULT false, published TEXT, created TIMESTAMP DEFAULT current_timestamp, "
+        "PRIMARY KEY (study, trial))",
+    )
+    with Recorder(db) as rec:
+        rec.maps([("s", 0, "m", "/maps/0", "sha", 2, 1e-2, 32, 0.0, -1.0, 1.4)], "s", 0)
+    assert "published" not in [c for c, *_ in query(db, "DESCRIBE maps")[1]]
+    assert query(db, "SELECT trial, published FROM best_map")[1] == [(0, None)]
+    with connect(db) as con:
+        insert_rows(con, "publications", ("study", "repo_id", "revision", "commit_sha", "backend", "map_path"),
+                    [("s", "o/r", "s", "c0ffee", "local", "/maps/0")])  # fmt: skip
+    assert query(db, "SELECT published FROM best_map")[1] == [("local:o/r@s#c0ffee",)]

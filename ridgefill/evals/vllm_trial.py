@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("job", type=Path)
     ap.add_argument("out", type=Path)
     a = ap.parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # served_model reads the in-process engine
+    # an entry point: vLLM's own variable (served_model reads the in-process engine)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     a.out.write_text(json.dumps(run_job(json.loads(a.job.read_text()))))
 
 

@@ -11,8 +11,7 @@ runner and pins it unless VLLM_USE_V2_MODEL_RUNNER is set (`patches.py`).
 
 from __future__ import annotations
 
-import os
-
+from ridgefill import settings
 from ridgefill.vllm_plugin.config import ARCHS
 
 
@@ -25,6 +24,6 @@ def register() -> None:
 
     for stock, ours in ARCHS.items():
         ModelRegistry.register_model(ours, f"ridgefill.vllm_plugin.model:{ours}")
-        if os.environ.get("RIDGEFILL_MAPS"):
+        if settings.get("RIDGEFILL_MAPS"):
             ModelRegistry.register_model(stock, f"ridgefill.vllm_plugin.model:{ours}")
     apply_all()

@@ -9,19 +9,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ridgefill import settings
+
 ARCHS = {
     "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
     "Qwen2ForCausalLM": "RidgeFillQwen2ForCausalLM",
     "Qwen3ForCausalLM": "RidgeFillQwen3ForCausalLM",
 }
-V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own variable: read here only to name it in a refusal
 
 
 def maps_path(cfg) -> str | None:
     """The map folder a RidgeFill class of this config serves: `ridgefill_maps` or RIDGEFILL_MAPS."""
-    if not any(a.startswith("RidgeFill") for a in cfg.architectures or []) and not os.environ.get("RIDGEFILL_MAPS"):
+    env = settings.get("RIDGEFILL_MAPS")
+    if not any(a.startswith("RidgeFill") for a in cfg.architectures or []) and not env:
         return None
-    return getattr(cfg, "ridgefill_maps", None) or os.environ.get("RIDGEFILL_MAPS")
+    return getattr(cfg, "ridgefill_maps", None) or env
 
 
 def requested(model_config) -> bool:
@@ -31,7 +34,7 @@ def requested(model_config) -> bool:
     archs = list(getattr(model_config, "architectures", None) or [])
     if any(a in ARCHS.values() for a in archs):
         return True
-    return bool(os.environ.get("RIDGEFILL_MAPS")) and any(a in ARCHS for a in archs)
+    return bool(settings.get("RIDGEFILL_MAPS")) and any(a in ARCHS for a in archs)
 
 
 def unsupported(vllm_config) -> str | None:

@@ -35,6 +35,8 @@ def make_llm(
     `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU)."""
     import torch
 
+    # vLLM's own variables (vLLM reads them only from the environment), for the in-process engine this makes;
+    # no RidgeFill setting is ever written (ridgefill/settings.py)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
     from transformers import AutoConfig

@@ -19,13 +19,13 @@ vLLM versions the plugin is tested with; anything else is refused by name and th
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ridgefill import settings
 from ridgefill.vllm_plugin.config import V2_VARIABLE, requested
 
 SUPPORTED_VLLM = SpecifierSet(">=0.32,<0.33")
@@ -293,7 +293,4 @@ def prefix_cache_rule() -> None:
 
 def log_every() -> int:
     """RidgeFill logs its counters every this many steps with bulk rows (RIDGEFILL_LOG_EVERY, default 256)."""
-    try:
-        return max(1, int(os.environ.get("RIDGEFILL_LOG_EVERY", "256")))
-    except ValueError:
-        return 256
+    return settings.log_every()

@@ -1,0 +1,1 @@
+"""Prefect flows: `tune` (one study end to end) and `retune` (the nightly Hub check); prefect.yaml deploys them."""

