@@ -180,7 +180,8 @@ def body(data: ModelCardData, manifest: dict, results: Mapping, repo_id: str) ->
 RidgeFill {manifest["kind"]} maps for [{data.base_model}](https://huggingface.co/{data.base_model})
 (revision `{data.base_model_revision}`), split S = {manifest["split"]}, lambda = {manifest.get("lambda")}.
 Layers 0..S-1 run exactly; each later layer writes its K/V cache from a closed-form ridge prediction of its
-input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get("share")}) run the full model.
+input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get("share")} chosen by
+{"the question's attention" if d.get("select") == "question" else "token rarity"}) run the full model.
 
 ## Results
 

@@ -140,7 +140,8 @@ def demo_cmd(
     d = ms.manifest["defaults"]
     chat = [{"role": "user", "content": prompt}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    new = generate(lm, ids, FillPlan("ridge", ms.split, ms, d["sink"], tail, d["share"]), max_new_tokens)
+    plan = FillPlan("ridge", ms.split, ms, d["sink"], tail, d["share"], select=d.get("select", "rarity"))
+    new = generate(lm, ids, plan, max_new_tokens)
     typer.echo(tok.decode(new[0], skip_special_tokens=True))
     bulk = max(0, ids.shape[1] - d["sink"] - tail)
     typer.echo(f"[{ids.shape[1]} prompt tokens: {bulk} filled from the pulled maps above layer {ms.split}]", err=True)

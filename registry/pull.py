@@ -131,7 +131,14 @@ def serve_check(model, tokenizer, publication: Publication, local_map: str | Pat
     outs = []
     for ms in (pulled, load_maps(Path(local_map), model, tokenizer)):
         d = ms.manifest["defaults"]
-        plan = FillPlan("ridge", maps=ms, sink=d["sink"], tail=min(d["tail"], 32), share=d["share"])
+        plan = FillPlan(
+            "ridge",
+            maps=ms,
+            sink=d["sink"],
+            tail=min(d["tail"], 32),
+            share=d["share"],
+            select=d.get("select", "rarity"),
+        )
         outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
     if outs[0] != outs[1]:
         raise RuntimeError(f"the pulled map {pulled.path} decodes differently from the measured one {local_map}")

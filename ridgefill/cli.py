@@ -205,6 +205,7 @@ def generate(
         sink if sink is not None else d["sink"],
         tail or d["tail"],
         share if share is not None else d["share"],
+        select=d.get("select", "rarity"),
     )
     if chat and tok.chat_template:
         ids = tok.apply_chat_template(

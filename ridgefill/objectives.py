@@ -110,7 +110,7 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
     if maps is not None and not isinstance(maps, MapSet):
         maps = load_maps(Path(maps), model, tokenizer)
     mode = "ridge" if maps is not None else "identity"
-    return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share)
+    return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share, select=params.select)
 
 
 def run_ruler_plan(model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
@@ -181,7 +181,7 @@ def vllm_job(model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None
         if plan.maps is None:
             raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
         job["maps"] = str(plan.maps.path)
-        job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share}
+        job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
     if ruler is not None:
         kind = "served" if job["maps"] else "exact"
         job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}}

@@ -42,6 +42,7 @@ class Params:
     tail: int
     share: float
     sink: int
+    select: str = "rarity"  # how the share is chosen (the study's `search.select`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,6 +160,7 @@ def suggest(trial: optuna.Trial, search: Search) -> Params:
         tail=int(trial.suggest_categorical("tail", list(search.tails))),
         share=float(share),
         sink=search.sink,
+        select=search.select,
     )
 
 

@@ -261,7 +261,8 @@ def solver_for(capture_path: str, split: int) -> RidgeSolver:
 def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> MapSet:
     """Fit a trial's split at its lambda and write its map folder with its row-policy defaults: the verified
     `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
-    cap, defaults = load_capture(Path(capture_path)), {"tail": params.tail, "sink": params.sink, "share": params.share}
+    cap = load_capture(Path(capture_path))
+    defaults = {"tail": params.tail, "sink": params.sink, "share": params.share, "select": params.select}
     maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver_for(capture_path, params.split))
     return _write(
         model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults

@@ -56,6 +56,11 @@ class Search(_Strict):
     tails: list[Pos] = Field(min_length=1)
     share: tuple[Annotated[float, Field(ge=0, le=1)], Annotated[float, Field(ge=0, le=1)]] = (0.0, 0.0)
     sink: Annotated[int, Field(ge=0)] = 4
+    select: Literal["rarity", "question"] = Field(
+        "rarity",
+        description="how a trial's protected share is chosen: by token rarity, or by the attention the question "
+        "(the last prompt rows) pays each row in the exact layers below the split; written into each map's defaults",
+    )
 
     @field_validator("lam", "share")
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import optuna
 import torch
 
 from ridgefill import maps as maps_mod
@@ -65,3 +66,32 @@ def test_one_trial_hashes_each_written_file_once(tokenizer, tiny_models, tmp_pat
     assert passed.manifest == loaded.manifest and passed.split == 2
     assert all(torch.equal(passed.layer(i)[k], loaded.layer(i)[k]) for i in loaded.weights for k in (0, 1))
     assert torch.equal(passed.scores, loaded.scores)
+
+
+def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, tiny_models, tmp_path):
+    """`search.select: question`: each trial's plan protects its share by the question's attention, and the
+    folder it writes says so in its defaults (the vLLM plugin and `ridgefill generate` serve from those)."""
+    from ridgefill.search import suggest
+    from ridgefill.study import StudyError
+
+    model = tiny_models["llama"]
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
+    cap = steps.run_capture(model, tokenizer, str(text), [2], window=64, max_windows=4, heldout=1,
+                            root=tmp_path, progress=False)  # fmt: skip
+    cfg = load_study(
+        STUDY, SMALL | {"search": {"splits": [2], "tails": [16], "share": [0.1, 0.3], "select": "question"}}
+    )
+    params = suggest(optuna.create_study().ask(), cfg.search)
+    assert params.select == "question" and 0.1 <= params.share <= 0.3
+    ms = steps.fit_trial(model, tokenizer, str(cap.path), params, tmp_path / "q")
+    assert ms.manifest["defaults"]["select"] == "question"
+    plan = objectives.plan_for(params, ms, model, tokenizer)
+    assert plan.select == "question" and plan.share == params.share
+    assert objectives.vllm_job(model, "float32", plan)["options"]["select"] == "question"
+    try:
+        load_study(STUDY, {"search": {"select": "attention"}})
+    except StudyError as e:
+        assert "select" in str(e)
+    else:
+        raise AssertionError("an unknown selector was accepted")
