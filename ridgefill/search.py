@@ -115,11 +115,14 @@ def open_study(cfg: Study, store: optuna.storages.BaseStorage, seed_offset: int 
 def first_trials(search: Search, budget: int) -> list[dict]:
     """Starts that bracket the split range at the middle lambda and the largest tail: the largest split
     (the safest), the smallest (the fastest), then S bisected between them. Quality rises and speed falls
-    with S, so the front lies between the ends; a budget of 3 tries 3 splits, a larger one up to half of it."""
+    with S, so the front lies between the ends; a budget of 3 tries 3 splits, a larger one up to half of it.
+    The share starts at its smallest value, or, with the question selector (which only acts through a
+    share), at the middle of its range."""
     lam = math.sqrt(search.lam[0] * search.lam[1])
     n = max(1, min(len(search.splits), max(min(budget, 3), budget // 2)))
     splits = bracket(sorted(set(search.splits)))[:n]
-    return [{"split": s, "lam": lam, "tail": max(search.tails), "share": search.share[0]} for s in splits]
+    share = sum(search.share) / 2 if search.select == "question" else search.share[0]
+    return [{"split": s, "lam": lam, "tail": max(search.tails), "share": share} for s in splits]
 
 
 def bracket(splits: list[int]) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ridgefill import search
-from ridgefill.study import load_study
+from ridgefill.study import Search, load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
 
@@ -47,3 +47,9 @@ def test_three_splits_three_trials_every_split_is_tried(tmp_path):
 
     assert search.optimize(study, cfg, evaluate) == 3
     assert sorted(t.params["split"] for t in study.trials) == [12, 16, 20]
+
+
+def test_with_the_question_selector_the_first_trials_start_mid_share():
+    space = Search(splits=[15, 18, 22], tails=[64, 256], share=(0.0, 0.2), select="question")
+    assert {p["share"] for p in search.first_trials(space, 3)} == {0.1}
+    assert {p["share"] for p in search.first_trials(space.model_copy(update={"select": "rarity"}), 3)} == {0.0}
