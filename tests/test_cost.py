@@ -110,7 +110,7 @@ def test_smollm2_study_arithmetic():
     assert list(r.lengths) == [1024]
     n = len(r.tasks) * r.samples
     new = r.samples * sum(SPECS[t].max_new_tokens for t in r.tasks)
-    speedup = cost.speedup_bound(sh, 1024, 15, 4 + 256 + int(0.2 * 1024))
+    speedup = cost.speedup_bound(sh, 1024, 15, 4 + 256 + int(st.search.share[1] * 1024))
     step = cost.decode_step_s(sh, FLAT, 1, 1024, 4)
     pre = n * cost.prefill_flops(sh, 1024) / 5e10
     assert e.phases["exact baseline"] == pytest.approx(pre + new * step)
