@@ -111,10 +111,15 @@ def main() -> None:
         help="score PLAN on the first N samples of each task only (e.g. identity=10: the costliest plan, since a "
         "wrong answer decodes the whole budget); it is still paired with exact on those samples",
     )  # fmt: skip
+    ap.add_argument(
+        "--start", type=int, default=0,
+        help="first sample index to score (split one suite over processes: the same prompts, other --out)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--exact-cache", type=Path, default=Path("bench/results/ruler_exact_cache.json"))
     ap.add_argument("--out", type=Path, required=True, help="stem: writes OUT.jsonl, OUT.json and OUT.md")
     ap.add_argument("--report-only", action="store_true", help="summarise OUT.jsonl without scoring more")
+    ap.add_argument("--merge", nargs="*", type=Path, default=[], help="more .jsonl rows to report with OUT's")
     ap.add_argument(
         "--coverage", action="store_true",
         help="no decoding: how much of each needle each selector protects, for several query/window/layers",
@@ -144,6 +149,8 @@ def main() -> None:
     rows_path = args.out.with_suffix(".jsonl")
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+    for extra in args.merge:  # rows other processes scored (--start), reported together
+        rows += [json.loads(line) for line in extra.read_text().splitlines()]
     if not args.report_only:
         hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
         run(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
@@ -160,7 +167,7 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                 batches[task] = make_samples(task, tok, length, hay, n, args.seed)
             except TaskUnavailable as e:
                 print(f"skip {task}@{length}: {e}", flush=True)
-        for index in range(n):
+        for index in range(args.start, n):
             for task, batch in batches.items():
                 x = batch[index]
                 region = region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail)

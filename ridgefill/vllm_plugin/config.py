@@ -103,7 +103,7 @@ def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
     `ridgefill_window`, `ridgefill_score_layers`), or None for the rarity selector; ValueError if invalid."""
     d = manifest["defaults"]
     select = _option(cfg, "select", str(d.get("select", "rarity")))
-    if select == "rarity":
+    if select == "rarity" or share == 0.0:  # nothing to choose without a share
         return None
     if select != "question":
         raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {select!r})")
@@ -112,8 +112,8 @@ def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
         _option(cfg, "window", int(d.get("window", 4))),
         _option(cfg, "score_layers", int(d.get("score_layers", 3))),
     )
-    if not 0.0 < share < 1.0:
-        raise ValueError(f"ridgefill_select='question' needs 0 < ridgefill_share < 1 (got {share})")
+    if share >= 1.0:
+        raise ValueError(f"ridgefill_select='question' needs ridgefill_share below 1 (got {share})")
     if rows.query < 1 or rows.window < 0 or not 1 <= rows.layers <= int(manifest["split"]):
         raise ValueError(
             f"question rows need ridgefill_query >= 1, ridgefill_window >= 0 and 1 <= ridgefill_score_layers <= "
