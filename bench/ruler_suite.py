@@ -290,7 +290,10 @@ def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: lis
     md = "\n".join(lines)
     print(md)
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {
+            k: [str(x) for x in v] if k == "merge" else (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+        },  # fmt: skip
         "plans": {name: plan_config(p) for name, p in plans.items()},
         "summary": summary,
         "samples": rows,
