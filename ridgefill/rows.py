@@ -65,3 +65,16 @@ def pooled(attention: Tensor, keep: Tensor, window: int) -> Tensor:
     if window <= 0:
         return a
     return F.max_pool1d(a[None, None], 2 * window + 1, stride=1, padding=window)[0, 0]
+
+
+def question_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
+    """Attention [n] that the last q rows pay every row, summed over heads and query rows (causal).
+
+    queries [H, q, hd] (roped, the prompt's last q rows), keys [KV, n, hd] (roped, every row; KV divides H).
+    Only q x n scores are formed, in float32. Both runtimes score the "question" selector with it.
+    """
+    keys = keys.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
+    logits = (queries @ keys.transpose(-1, -2)).float() * scaling  # [H, q, n]
+    n, q = keys.shape[1], queries.shape[1]
+    future = torch.arange(n, device=keys.device)[None, :] > torch.arange(n - q, n, device=keys.device)[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(-1).sum(dim=(0, 1))

@@ -24,7 +24,16 @@ from transformers import DynamicCache
 from ridgefill.adapters import adapter_for
 from ridgefill.adapters.base import rope
 from ridgefill.maps import MapSet
-from ridgefill.rows import SELECTS, Select, edge_rows, pooled, protect_top, protected_mask, random_scores
+from ridgefill.rows import (
+    SELECTS,
+    Select,
+    edge_rows,
+    pooled,
+    protect_top,
+    protected_mask,
+    question_attention,
+    random_scores,
+)
 
 Mode = Literal["exact", "plumb", "identity", "ridge"]
 MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
@@ -201,11 +210,7 @@ def _question_attention(ad, layer: nn.Module, h_q: Tensor, cos_q: Tensor, sin_q:
     heads and query rows; k [1, kv_heads, n, hd] are the layer's roped keys. Only q x n scores are formed.
     """
     qh = rope(ad.queries(layer, layer.input_layernorm(h_q)).transpose(1, 2), cos_q, sin_q)  # [1, H, q, hd]
-    kh = k.repeat_interleave(ad.num_heads // ad.num_kv_heads, dim=1)
-    logits = (qh @ kh.transpose(-1, -2)).float() * layer.self_attn.scaling  # [1, H, q, n]
-    n, q = kh.shape[2], qh.shape[2]
-    future = torch.arange(n, device=k.device)[None, :] > torch.arange(n - q, n, device=k.device)[:, None]
-    return logits.masked_fill(future, float("-inf")).softmax(-1).sum(dim=(0, 1, 2))
+    return question_attention(qh[0], k[0], layer.self_attn.scaling)
 
 
 def _predict(plan: FillPlan, idx: int, split_bulk: Tensor) -> Tensor:

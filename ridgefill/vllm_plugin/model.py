@@ -24,7 +24,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
-from ridgefill.rows import edge_rows, pooled, protect_top
+from ridgefill.rows import edge_rows, pooled, protect_top, question_attention
 from ridgefill.vllm_plugin.backend import attend, write_kv
 from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows, reclassify
 from ridgefill.vllm_plugin.config import QuestionRows, maps_path, question_rows, serve_options, unsupported
@@ -287,14 +287,9 @@ class RidgeFillMixin:
     def _question_attention(self, layer, x: Tensor, pos: Tensor, query: int) -> Tensor:
         """Attention [n] that the last `query` rows of x [n, d] pay every row (this rank's heads)."""
         q, k, _ = self._qkv(layer, x, pos)
-        attn = layer.self_attn
-        n, nq = x.shape[0], min(query, x.shape[0])
-        qh = q[n - nq :].view(nq, -1, attn.head_dim).transpose(0, 1)  # [H, nq, hd]
-        kh = k.view(n, -1, attn.head_dim).transpose(0, 1)  # [KV, n, hd]
-        kh = kh.repeat_interleave(qh.shape[0] // kh.shape[0], dim=0)
-        logits = (qh @ kh.transpose(-1, -2)).float() * attn.scaling  # [H, nq, n]
-        future = torch.arange(n, device=x.device)[None, :] > torch.arange(n - nq, n, device=x.device)[:, None]
-        return logits.masked_fill(future, float("-inf")).softmax(-1).sum(dim=(0, 1))
+        hd, n, nq = layer.self_attn.head_dim, x.shape[0], min(query, x.shape[0])
+        queries = q[n - nq :].view(nq, -1, hd).transpose(0, 1)  # [H, nq, hd]
+        return question_attention(queries, k.view(n, -1, hd).transpose(0, 1), layer.self_attn.scaling)
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
