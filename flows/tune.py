@@ -4,7 +4,8 @@ The study is named per weights (`<spec>-<weights hash>`, `search.run_name`): a n
 a fresh search and publishes under its own tag, a rerun on the same weights resumes.
 
 Order: resolve the model -> capture (cached) -> exact RULER baseline (cached) -> Optuna trials
-(fit -> RULER/dNLL -> paired TTFT; each recorded in DuckDB as it finishes) -> Pareto front and the
+(fit -> RULER -> paired TTFT -> more RULER samples for a trial that could join the front -> dNLL; each
+recorded in DuckDB as it finishes) -> Pareto front and the
 chosen map (best speed-up inside the RULER-drop constraint) recorded and attached as artifacts ->
 certification of the chosen map on the study's `certify` benchmark (recorded, pass or fail) -> publish
 through `registry.publish_best`, only when it passed.
@@ -26,6 +27,7 @@ import importlib
 import json
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout (studies/ lives there)
@@ -110,7 +112,7 @@ def _certify_exact(cfg: Study, res: Weights) -> dict | None:
     spec = cfg.certify.ruler()
     inputs = objectives.ruler_inputs_sha(spec)
     m = (cfg.model.dtype, cfg.hardware.device)
-    exact = exact_ruler(res.fingerprint, res.path, *m, spec.model_dump(), inputs)
+    exact = exact_ruler(res.fingerprint, res.path, *m, spec.model_dump(), inputs, cfg.engine)
     return {"exact": exact, "inputs": inputs}
 
 
@@ -197,7 +199,8 @@ def tune(
         trial = trial_task(evaluator)
 
         def evaluate(batch):
-            futures = [trial.submit(n, p, ctx, exact, cfg) for n, p in batch]
+            now = replace(ctx, front=search.best_feasible_speedup(ostudy, max_drop))  # who gets promoted
+            futures = [trial.submit(n, p, now, exact, cfg) for n, p in batch]
             return [_outcome(f) for f in futures]
 
         def on_trial(t):

@@ -161,8 +161,9 @@ def _certified(cert: Mapping | None) -> str:
         f"{k} {r['score']:.1f} vs {r['reference']:.1f} exact (n={r['n']})" for k, r in cert.get("regions", {}).items()
     )
     return f"""Certified before publishing on RULER {", ".join(cert["tasks"])} at {", ".join(map(str, cert["lengths"]))}
-tokens, {cert["samples"]} samples per task and length (seed {cert["seed"]}), haystack {cert["haystack"]}; paired
-against exact prefill on the same samples. Mean paired delta **{cert["delta"]:+.1f}** points, 95% CI
+tokens, {cert["samples"]} samples per task and length (seed {cert["seed"]}), haystack {cert["haystack"]}, served
+by {cert.get("engine", "transformers")}; paired against exact prefill on the same samples. Mean paired delta
+**{cert["delta"]:+.1f}** points, 95% CI
 [{cert["ci_lo"]:+.1f}, {cert["ci_hi"]:+.1f}], n = {cert["n"]} ({cert["score"]:.1f} vs {cert["exact"]:.1f} exact).
 Rule: {cert["rule"]}. By needle region: {regions or "-"}.{SMALL if cert["n"] < SMALL_N else ""}
 

@@ -55,6 +55,7 @@ def certificate(
     haystack: str,
     key: str = "",
     seconds: float | None = None,
+    engine: str = "transformers",
 ) -> dict:
     """Judge one map on per-sample rows (task, length, index, region, score) of it and of exact.
 
@@ -95,6 +96,7 @@ def certificate(
         "samples": spec.samples,
         "haystack": haystack,
         "seed": spec.seed,
+        "engine": engine,
         "per_task": per_task,
         "per_length": per_length,
         "regions": region_breakdown(rows, MAP, EXACT),
@@ -157,17 +159,21 @@ def certify_trial(
 
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.maps import sha256_file
-    from ridgefill.objectives import plan_for, run_ruler_plan
+    from ridgefill.objectives import plan_for, ruler_result, run_ruler_plan, run_vllm_job, vllm_job
     from ridgefill.search import Params, params_of
 
     spec, drop = cfg.certify, cfg.certify_drop
     mp = trial.user_attrs["map_path"]
-    key = key_of(spec, drop, inputs_sha, sha256_file(Path(mp) / "ridgefill.json"))
+    key = key_of(spec, drop, f"{inputs_sha}:{cfg.engine}", sha256_file(Path(mp) / "ridgefill.json"))
     if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
         return old
     t0 = time.time()
     plan = plan_for(Params(**params_of(trial)), mp, model, tokenizer)
-    run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
+    if cfg.engine == "vllm":  # as served: one engine, a batch per task x length
+        run = ruler_result(run_vllm_job(vllm_job(model, cfg.model.dtype, plan, spec.ruler()))["ruler"])
+    else:
+        run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = haystack_label(spec.haystack, words)
-    return certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, time.time() - t0)
+    secs = time.time() - t0
+    return certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, secs, cfg.engine)

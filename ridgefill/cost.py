@@ -24,6 +24,7 @@ from ridgefill.flops import layer_flops, speedup_bound
 from ridgefill.study import Study
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROMOTED_SHARE = 0.5  # an assumption, not a measurement: the share of trials near the front (promoted)
 SHAPE_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -148,22 +149,26 @@ class Estimate:
         return sum(self.phases.values()) + math.ceil(self.trials / self.parallel) * self.per_trial
 
 
-def _ruler_s(study: Study, shape: Shape, r: Rates, bytes_: int, speedup: float) -> tuple[float, list[str]]:
-    """RULER over the study's tasks x lengths; on vLLM a cell's samples are one batch, on transformers
-    they run one at a time. `speedup` divides the prefill FLOPs (1 for exact)."""
+def _ruler_s(
+    study: Study, shape: Shape, r: Rates, bytes_: int, speedup: float, samples: int | None = None
+) -> tuple[float, list[str]]:
+    """RULER over the study's tasks x lengths, `samples` per task (default the study's); on vLLM a cell's
+    samples are one batch, on transformers they run one at a time. `speedup` divides the prefill FLOPs (1 for
+    exact)."""
     ru = study.objectives.ruler
+    n = ru.samples if samples is None else samples
     vllm = study.engine == "vllm"
     rate = r.prefill if vllm else r.prefill_hf
     total, lines = 0.0, []
     for length in ru.lengths:
-        pre = ru.samples * prefill_flops(shape, length) / speedup / rate
+        pre = n * prefill_flops(shape, length) / speedup / rate
         new = sum(SPECS[t].max_new_tokens for t in ru.tasks)
-        batch = ru.samples if vllm else 1
-        steps = new * (1 if vllm else ru.samples)
+        batch = n if vllm else 1
+        steps = new * (1 if vllm else n)
         dec = steps * decode_step_s(shape, r, batch, length, bytes_)
         total += len(ru.tasks) * pre + dec
         lines.append(
-            f"  {len(ru.tasks)} tasks x {ru.samples} samples @ {length}: prefill {len(ru.tasks) * pre:.1f} s, "
+            f"  {len(ru.tasks)} tasks x {n} samples @ {length}: prefill {len(ru.tasks) * pre:.1f} s, "
             f"decode {steps} steps x {'batch ' + str(batch) if vllm else 'one sample'} = {dec:.1f} s"
         )
     return total, lines
@@ -204,7 +209,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     )
 
     base_start = r.engine_start if study.engine == "vllm" else 0.0
-    exact, lines = _ruler_s(study, shape, r, b, 1.0)
+    exact, lines = _ruler_s(study, shape, r, b, 1.0, ru.most)
     e.phases["exact baseline"] = base_start + exact
     say(f"exact baseline (RULER, once per study): {base_start + exact:.1f} s")
     e.lines += lines
@@ -230,6 +235,14 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         f"share {s.share[1]}): {ruler:.1f} s"
     )
     e.lines += lines
+    if ru.promote:  # multi-fidelity: a promoted trial scores promote - samples more per task
+        more, lines = _ruler_s(study, shape, r, b, worst, ru.promote - ru.samples)
+        e.trial["RULER promoted"] = PROMOTED_SHARE * (more + base_start)
+        say(
+            f"trial RULER, promoted (assumed: {PROMOTED_SHARE:.0%} of trials, those near the front; the vLLM "
+            f"engine starts again): {more + base_start:.1f} s each, {e.trial['RULER promoted']:.1f} s a trial"
+        )
+        e.lines += lines
     nl = study.objectives.nll
     e.trial["dNLL"] = sum(nl.documents * 2 * prefill_flops(shape, n) / r.prefill_hf for n in nl.lengths)
     say(

@@ -4,7 +4,6 @@ on transformers or on one vLLM engine per trial (`ridgefill.evals.vllm_trial`, i
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +70,9 @@ def ruler_rows(plan: str, scores: dict) -> list[tuple]:
 
 def ttft_speedup(results: dict) -> float:
     """Geometric mean of the paired speed-ups over TTFT lengths."""
-    ups = [r["speedup"] for r in results.values()]
-    return math.exp(sum(math.log(u) for u in ups) / len(ups))
+    from ridgefill.evals.ttft import speedup_over_lengths
+
+    return speedup_over_lengths(results)
 
 
 def ttft_rows(results: dict) -> list[tuple]:
@@ -113,21 +113,66 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
     return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share, select=params.select)
 
 
-def run_ruler_plan(model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
-    """One plan on the study's RULER tasks, lengths and samples: {"scores": {task: {length: cell}},
-    "samples": per-sample rows (`sample_rows`) for pairing, "skipped": tasks unavailable at a length}. On vLLM
-    only the exact plan (the baseline, stock vLLM): a trial's plan runs in `run_trial_vllm`."""
+def run_ruler_plan(
+    model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32", first: int = 0,
+    samples: int | None = None,
+) -> dict:  # fmt: skip
+    """One plan on the study's RULER tasks and lengths, sample indices first..samples-1 (default: the study's
+    `samples`): {"scores": {task: {length: cell}}, "samples": per-sample rows (`sample_rows`) for pairing,
+    "skipped": tasks unavailable at a length}. On vLLM only the exact plan (the baseline, stock vLLM): a trial's
+    plan runs in `run_trial_vllm` / `run_ruler_vllm_plan`."""
+    n = r.samples if samples is None else samples
     if engine == "vllm":
         if plan.mode != "exact":
             raise ValueError("on vLLM a trial's RULER and TTFT share one engine: use run_trial_vllm")
-        return ruler_result(run_vllm_job(vllm_job(model, dtype, ruler=r))["ruler"])
+        return ruler_result(run_vllm_job(vllm_job(model, dtype, ruler=r, first=first, samples=n))["ruler"])
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.evals.ruler_run import run_ruler
 
     hay = load_haystack(r.haystack)
     return ruler_result(
-        run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, r.samples, r.seed, False)
+        run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, n, r.seed, False, first)
     )
+
+
+def exact_baseline(model, tokenizer, r: Ruler, engine: str = "transformers", dtype: str = "float32") -> dict:
+    """The exact plan on every sample a trial may score (a promoted trial's `promote`)."""
+    from ridgefill.runtime import FillPlan
+
+    return run_ruler_plan(model, tokenizer, FillPlan(), r, engine, dtype, samples=r.most)
+
+
+# --- multi-fidelity: more samples for the trials near the front -------------------------------------------
+
+FRONT_MARGIN = 0.02  # speed-ups within 2% of the best are within run-to-run TTFT noise (BENCHMARKS section 8)
+
+
+def promotion_bar(r: Ruler, front: float | None, max_drop: float) -> dict | None:
+    """What a trial scored on `r.samples` per task must clear to earn `r.promote` (None: the study promotes
+    nobody): its paired mean within the limit (a trial already losing more on average cannot pass on more
+    samples), and a speed-up that could join the front (any, while no trial is feasible; else within
+    FRONT_MARGIN of the best feasible speed-up `front`)."""
+    if r.promote is None:
+        return None
+    return {"mean": -max_drop, "speedup": 0.0 if front is None else front * (1 - FRONT_MARGIN)}
+
+
+def promoted(bar: dict | None, trial_rows: Sequence[dict], exact_rows: Sequence[dict], speedup: float) -> bool:
+    """Whether the trial's first samples (paired against exact) and speed-up clear the bar."""
+    from ridgefill.evals.paired import clears, mean_delta
+
+    if bar is None:
+        return False
+    mean = mean_delta(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial")
+    return mean is not None and clears(bar, mean, speedup)
+
+
+def merged(a: dict, b: dict) -> dict:
+    """Two `run_ruler_plan` results on disjoint samples of one plan as one."""
+    from ridgefill.evals.ruler_run import aggregate
+
+    samples = a["samples"] + b["samples"]
+    return {"scores": aggregate(samples).get("p", {}), "samples": samples, "skipped": a["skipped"]}
 
 
 def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tuple]]:
@@ -171,9 +216,15 @@ def engine_for(name: str, model):
     return check_engine(name)(model)
 
 
-def vllm_job(model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None) -> dict:
+def vllm_job(
+    model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None, first: int = 0, samples: int | None = None,
+    promote: dict | None = None,
+) -> dict:  # fmt: skip
     """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
-    baseline), else the plan's map folder and row policy; RULER scores the plan ("p"), TTFT pairs it with exact."""
+    baseline), else the plan's map folder and row policy; RULER scores the plan ("p") on sample indices
+    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. `promote` ({"bar", "exact":
+    the exact rows}): after TTFT the job scores up to `ruler.promote` samples when the first ones and the
+    speed-up clear the bar (`promotion_bar`), on the same engine."""
     import torch
 
     job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
@@ -184,9 +235,13 @@ def vllm_job(model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None
         job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
     if ruler is not None:
         kind = "served" if job["maps"] else "exact"
-        job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}}
+        n = ruler.samples if samples is None else samples
+        job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}, "first": first, "samples": n}
     if ttft is not None:
         job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
+    if promote is not None and ruler is not None and ruler.promote:  # decided in the job: one engine start
+        exact = sample_rows("exact", promote["exact"])
+        job["promote"] = {"bar": promote["bar"], "samples": ruler.promote, "exact": exact}
     if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
         free, total = torch.cuda.mem_get_info()
         job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
@@ -213,11 +268,19 @@ def run_vllm_job(job: dict) -> dict:
         return json.loads(dst.read_text())
 
 
-def run_trial_vllm(model, plan, cfg: Study) -> dict:
-    """One engine per trial serves its RULER (every sample of a task x length in one batch) and its paired
-    TTFT: {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result}}."""
-    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, cfg.objectives.ttft))
-    return {"ruler": ruler_result(out["ruler"]), "ttft": out["ttft"]}
+def run_trial_vllm(model, plan, cfg: Study, promote: dict | None = None) -> dict:
+    """One engine per trial serves its RULER (every sample of a task x length in one batch), its paired TTFT
+    and, when `promote` ({"bar", "exact"}) is cleared, the promoted trial's further samples:
+    {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result}, "promoted": bool}."""
+    r = cfg.objectives.ruler
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, promote=promote))
+    return {"ruler": ruler_result(out["ruler"]), "ttft": out["ttft"], "promoted": bool(out.get("promoted"))}
+
+
+def run_ruler_vllm_plan(model, plan, cfg: Study, first: int, samples: int) -> dict:
+    """A trial plan's RULER alone on one vLLM engine (a promoted trial's further samples)."""
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, first=first, samples=samples))
+    return ruler_result(out["ruler"])
 
 
 def ruler_result(out: dict) -> dict:

@@ -41,7 +41,7 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     on_front = {t.number for t in front(trials, max_drop)}
     lines = [
         f"Constraint: the 95% CI lower bound of the paired RULER delta >= -{max_drop:g} points. "
-        "`*` Pareto front, `**` chosen.",
+        "`*` Pareto front, `**` chosen, `+` promoted (scored on more samples: it could join the front).",
         "",
         "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | dNLL | feasible | |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -49,7 +49,7 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     for t in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number):
         p, d, ci = params_of(t), t.user_attrs.get("dnll"), t.user_attrs.get("ruler_ci")
         mark = "**" if chosen is not None and t.number == chosen.number else ("*" if t.number in on_front else "")
-        band = f"[{ci['lo']:+.1f}, {ci['hi']:+.1f}] ({ci['n']})" if ci else "-"
+        band = f"[{ci['lo']:+.1f}, {ci['hi']:+.1f}] ({ci['n']}{'+' if ci.get('promoted') else ''})" if ci else "-"
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
             f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {t.values[1]:.3f}x | "
@@ -68,9 +68,11 @@ def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> st
     if t.state != TrialState.COMPLETE:
         why = t.user_attrs.get("error")
         return f"trial #{t.number} FAILED ({done}/{budget} complete): {knobs} | {secs:.1f} s | {why}"
-    d = t.user_attrs.get("dnll")
+    d, ci = t.user_attrs.get("dnll"), t.user_attrs.get("ruler_ci") or {}
+    band = f" [{ci['lo']:+.1f}, {ci['hi']:+.1f}] n={ci['n']}{' promoted' if ci.get('promoted') else ''}" if ci else ""
     return (
-        f"trial {done}/{budget} (#{t.number}): {knobs} | RULER {t.values[0]:+.2f} | speed-up {t.values[1]:.3f}x | "
+        f"trial {done}/{budget} (#{t.number}): {knobs} | RULER {t.values[0]:+.2f}{band} | "
+        f"speed-up {t.values[1]:.3f}x | "
         f"dNLL {'-' if d is None else f'{d:+.4f}'} | feasible {'yes' if feasible(t, max_drop) else 'no'} | {secs:.1f} s"
     )
 

@@ -291,6 +291,14 @@ def feasible(t: FrozenTrial, max_drop: float) -> bool:
     return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-12  # on the limit passes
 
 
+def best_feasible_speedup(study: optuna.Study, max_drop: float) -> float | None:
+    """The front's fastest point so far (None: no feasible trial yet): what a new trial must come near to be
+    promoted to more RULER samples (`objectives.promoted`)."""
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    ups = [t.values[1] for t in done if feasible(t, max_drop)]
+    return max(ups) if ups else None
+
+
 def params_of(t: FrozenTrial) -> dict:
     """A trial's full parameters (trials of studies begun before they were stored whole: t.params + sink)."""
     return t.user_attrs.get("params") or dict(t.params) | {"sink": t.user_attrs.get("sink")}

@@ -74,8 +74,24 @@ class Ruler(_Strict):
     tasks: list[str] = Field(min_length=1)
     lengths: list[Pos] = Field(min_length=1)
     samples: Pos = 4
+    promote: Pos | None = Field(
+        None,
+        description="multi-fidelity: samples per task for a trial that may join the Pareto front (its paired mean "
+        "within the limit, its speed-up near the best feasible one); its first `samples` are reused",
+    )
     haystack: str | list[str] = "pydoc"
     seed: int = 0
+
+    @property
+    def most(self) -> int:
+        """Samples per task the exact baseline needs: a promoted trial's."""
+        return max(self.samples, self.promote or 0)
+
+    @model_validator(mode="after")
+    def _more_when_promoted(self) -> Ruler:
+        if self.promote is not None and self.promote <= self.samples:
+            raise ValueError(f"promote ({self.promote}) must exceed samples ({self.samples}): it is the promoted total")
+        return self
 
     @field_validator("tasks")
     @classmethod
@@ -97,7 +113,7 @@ class Certify(Ruler):
 
     def ruler(self) -> Ruler:
         """The benchmark settings alone (what the exact baseline depends on)."""
-        return Ruler(**self.model_dump(exclude={"max_drop"}))
+        return Ruler(**self.model_dump(exclude={"max_drop", "promote"}))
 
 
 class Nll(_Strict):

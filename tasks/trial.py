@@ -1,5 +1,10 @@
-"""One trial: fit -> RULER/dNLL -> paired TTFT (nested tasks, so each step shows in the run), and the exact
-RULER baseline every trial is paired against (cached per weights, settings, engine and inputs)."""
+"""One trial: fit -> RULER -> paired TTFT -> (promoted: more RULER samples) -> paired delta and dNLL (nested tasks,
+so each step shows in the run), and the exact RULER baseline every trial is paired against (cached per weights,
+settings, engine and inputs).
+
+Multi-fidelity (`objectives.ruler.promote`): every trial scores `samples` per task; one whose paired mean is
+within the limit and whose speed-up could join the front (`TrialContext.front`, the best feasible speed-up when
+it started) scores up to `promote`, and its constraint is judged on the CI of all its samples."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class TrialContext:
     path: str
     capture: str
     maps: str
+    front: float | None = None  # the best feasible speed-up when the trial starts (None: none feasible yet)
 
 
 @task(cache_policy=NO_CACHE)
@@ -41,11 +47,10 @@ def exact_ruler(
 ) -> dict:
     """The exact baseline's RULER scores and per-sample rows (for pairing), computed once per model weights,
     RULER settings, engine and `inputs_sha` (haystack text and RULER code: `objectives.ruler_inputs_sha`)."""
-    from ridgefill.runtime import FillPlan
     from ridgefill.study import Ruler
 
     lm, tok = shared_model(path, dtype, device)
-    out = objectives.run_ruler_plan(lm, tok, FillPlan(), Ruler(**ruler), engine, dtype)
+    out = objectives.exact_baseline(lm, tok, Ruler(**ruler), engine, dtype)
     return {"scores": out["scores"], "samples": out["samples"]}
 
 
@@ -68,6 +73,19 @@ def evaluate(
 
 
 @task(cache_policy=NO_CACHE)
+def measure_ruler(
+    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, first: int, samples: int
+) -> dict:
+    """The trial plan's RULER on sample indices first..samples-1 (transformers: one `generate` a sample;
+    vLLM: one engine, a batch per task x length)."""
+    lm, tok = shared_model(path, dtype, device)
+    plan = objectives.plan_for(params, maps, lm, tok)
+    if cfg.engine == "vllm":
+        return objectives.run_ruler_vllm_plan(lm, plan, cfg, first, samples)
+    return objectives.run_ruler_plan(lm, tok, plan, cfg.objectives.ruler, first=first, samples=samples)
+
+
+@task(cache_policy=NO_CACHE)
 def measure_ttft(path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study) -> Timing:
     """Paired TTFT (exact vs the trial's plan) on the study's engine: speed-up and metric rows."""
     lm, tok = shared_model(path, dtype, device)
@@ -76,23 +94,32 @@ def measure_ttft(path: str, dtype: str, device: str, params: Params, maps: MapSe
 
 
 @task(cache_policy=NO_CACHE)
-def serve_vllm(path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study) -> dict:
-    """The trial's RULER (a batch per task x length) and paired TTFT, served by one vLLM engine."""
+def serve_vllm(
+    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, promote: dict | None = None
+) -> dict:
+    """The trial's RULER (a batch per task x length), paired TTFT and, when the first samples clear the
+    promotion bar, the further samples: served by one vLLM engine."""
     lm, tok = shared_model(path, dtype, device)
-    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg)
+    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg, promote)
 
 
 @task(cache_policy=NO_CACHE)
 def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: Study) -> Outcome:
-    """fit -> evaluate -> TTFT for one trial."""
+    """fit -> RULER and TTFT -> more RULER samples when promoted -> paired delta and dNLL, for one trial."""
     m = (ctx.path, cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx.maps) / f"trial-{number:04d}")
     maps = fit(ctx.capture, *m, params, out)  # verified once, as written: passed along, never re-hashed here
-    if cfg.engine == "vllm":  # one engine serves the trial's RULER and TTFT
-        served = serve_vllm(*m, params, maps, cfg)
-        ev = evaluate(*m, params, maps, exact, cfg, served["ruler"])
-        tt = Timing.of(served["ttft"])
+    r = cfg.objectives.ruler
+    bar = objectives.promotion_bar(r, ctx.front, cfg.constraints.max_ruler_drop)
+    if cfg.engine == "vllm":  # one engine serves the trial's RULER, TTFT and, promoted, its further samples
+        served = serve_vllm(*m, params, maps, cfg, bar and {"bar": bar, "exact": exact["samples"]})
+        ruler, tt, promote = served["ruler"], Timing.of(served["ttft"]), served["promoted"]
     else:
-        ev = evaluate(*m, params, maps, exact, cfg)
+        ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
         tt = measure_ttft(*m, params, maps, cfg)
-    return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ev.ruler_ci)
+        promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup)
+        if promote:
+            ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
+    ev = evaluate(*m, params, maps, exact, cfg, ruler)
+    ci = ev.ruler_ci | {"promoted": promote}  # n says how many pairs the constraint judged
+    return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci)

@@ -108,13 +108,17 @@ def test_smollm2_study_arithmetic():
     # RULER: every task's samples at 1K, one at a time, each task's max_new_tokens, float32
     r = st.objectives.ruler
     assert list(r.lengths) == [1024]
-    n = len(r.tasks) * r.samples
-    new = r.samples * sum(SPECS[t].max_new_tokens for t in r.tasks)
     speedup = cost.speedup_bound(sh, 1024, 15, 4 + 256 + int(st.search.share[1] * 1024))
     step = cost.decode_step_s(sh, FLAT, 1, 1024, 4)
-    pre = n * cost.prefill_flops(sh, 1024) / 5e10
-    assert e.phases["exact baseline"] == pytest.approx(pre + new * step)
-    assert e.trial["RULER"] == pytest.approx(pre / speedup + new * step)
+
+    def ruler_s(samples: int, up: float) -> float:  # prefill at the bound + one decode step per new token
+        pre = len(r.tasks) * samples * cost.prefill_flops(sh, 1024) / 5e10
+        return pre / up + samples * sum(SPECS[t].max_new_tokens for t in r.tasks) * step
+
+    assert (r.samples, r.promote) == (2, 6)  # multi-fidelity: the exact side covers a promoted trial's 6
+    assert e.phases["exact baseline"] == pytest.approx(ruler_s(6, 1.0))
+    assert e.trial["RULER"] == pytest.approx(ruler_s(2, speedup))
+    assert e.trial["RULER promoted"] == pytest.approx(cost.PROMOTED_SHARE * ruler_s(4, speedup))
     assert e.trial["engine start"] == 0.0  # the transformers engine starts nothing
     # TTFT: (1 warm-up + 3 repeats) x (exact + fill at the least-saving corner S=22, tail 64) at 2K
     fill = cost.speedup_bound(sh, 2048, 22, 4 + 64)

@@ -25,7 +25,7 @@ TINY = {
     "calibration": {"tokens": 2048, "window": 256, "heldout": 1},
     "search": {"splits": [18, 20], "tails": [32, 64]},
     "objectives": {
-        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1},
+        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1, "promote": 2},
         "nll": {"documents": 0},
         "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
     },

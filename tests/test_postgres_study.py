@@ -36,7 +36,7 @@ TINY_STUDY = {
     "calibration": {"tokens": 2048, "window": 128, "heldout": 1},
     "search": {"splits": [2, 3], "lam": [1e-3, 1e-1], "tails": [16, 32], "share": [0.0, 0.1]},
     "objectives": {
-        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1},
+        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1, "promote": 2},
         "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
     },
     "constraints": {"max_ruler_drop": 10},
@@ -44,7 +44,8 @@ TINY_STUDY = {
     "hardware": {"threads": 1},
 }
 TRIAL_LINE = re.compile(
-    r"trial (\d+)/(\d+) \(#(\d+)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+) \| "
+    r"trial (\d+)/(\d+) \(#(\d+)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+)"
+    r"(?: \[[-+\d., ]+\] n=\d+(?: promoted)?)? \| "
     r"speed-up ([\d.]+)x \| dNLL (\S+) \| feasible (yes|no) \| ([\d.]+) s"
 )
 pytestmark = pytest.mark.slow

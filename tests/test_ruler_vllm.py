@@ -35,7 +35,7 @@ MOVED = 0.02  # a first-token margin the map moves by more than this is not roun
 @pytest.fixture(scope="module")
 def cfg():
     small = {
-        "objectives": {"ruler": {"samples": 2}, "ttft": {"lengths": [512], "repeats": 1, "warmup": 0}},
+        "objectives": {"ruler": {"samples": 2, "promote": 3}, "ttft": {"lengths": [512], "repeats": 1, "warmup": 0}},
         "search": {"tails": [TAIL]},
     }
     return load_study(ROOT / "studies" / "smollm2-135m.yaml", small)
@@ -51,7 +51,7 @@ def setup(tmp_path_factory, smollm2, cfg):
     ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), sink=4, tail=TAIL)
     r = cfg.objectives.ruler
     plans = {"exact": FillPlan(), "ridge": ridge}
-    ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.samples, r.seed)
+    ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.most, r.seed)
     return {"model": model, "tok": tok, "folder": folder, "ref": ref}
 
 
@@ -78,9 +78,7 @@ def baseline(setup, cfg):
     with pytest.MonkeyPatch.context() as mp:
         scores, (out,) = run_jobs(
             mp,
-            lambda: objectives.run_ruler_plan(
-                s["model"], s["tok"], FillPlan(), cfg.objectives.ruler, "vllm", "float32"
-            ),
+            lambda: objectives.exact_baseline(s["model"], s["tok"], cfg.objectives.ruler, "vllm", "float32"),
         )
     return scores, out
 
@@ -114,9 +112,11 @@ def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, 
     s = setup
     params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
     plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
-    res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg))  # one engine: both
-    assert out["ridgefill_active"] is True
+    promote = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": baseline[0]["samples"]}  # any trial clears it
+    res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, promote))  # one engine
+    assert out["ridgefill_active"] is True and res["promoted"] is True
     rows = out["ruler"]["samples"]
+    assert sorted({r["index"] for r in rows}) == [0, 1, 2]  # 2 samples a task, then the promoted third
     assert {r["plan"] for r in rows} == {"p"}
     assert {r["region"] for r in rows} <= {"sink", "bulk", "tail", "none"}  # none: a task without a needle (fwe)
     assert_same_predictions([r | {"plan": "ridge"} for r in rows], s["ref"]["samples"], "ridge")

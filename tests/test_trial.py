@@ -20,7 +20,7 @@ STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
 SMALL = {
     "search": {"splits": [2, 3], "tails": [16]},
     "objectives": {
-        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1},
+        "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1, "promote": None},
         "nll": {"documents": 0},
         "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
     },
@@ -37,7 +37,7 @@ def test_one_trial_hashes_each_written_file_once(tokenizer, tiny_models, tmp_pat
     exact = objectives.run_ruler_plan(model, tokenizer, FillPlan(), cfg.objectives.ruler)
 
     monkeypatch.setattr(trial_tasks, "shared_model", lambda *a: (model, tokenizer))
-    for name in ("fit", "evaluate", "measure_ttft"):  # the nested tasks' plain functions: no Prefect needed
+    for name in ("fit", "measure_ruler", "evaluate", "measure_ttft"):  # the nested tasks' plain functions
         monkeypatch.setattr(trial_tasks, name, getattr(trial_tasks, name).fn)
     passes, real = Counter(), maps_mod.sha256_file
 
@@ -95,3 +95,60 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
         assert "select" in str(e)
     else:
         raise AssertionError("an unknown selector was accepted")
+
+
+def test_a_trial_near_the_front_is_promoted_to_more_samples(tokenizer, tiny_models, tmp_path, monkeypatch):
+    """Multi-fidelity: with no feasible trial yet (front None) a trial within the limit scores `promote`
+    samples a task, paired against exact on all of them; one far below the front keeps `samples`."""
+    model = tiny_models["llama"]
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
+    cap = steps.run_capture(model, tokenizer, str(text), [3], window=64, max_windows=4, heldout=1,
+                            root=tmp_path, progress=False)  # fmt: skip
+    small = SMALL | {
+        "objectives": SMALL["objectives"]
+        | {"ruler": {"tasks": ["niah_single_1", "niah_single_2"], "lengths": [512], "samples": 1, "promote": 3}}
+    }
+    cfg = load_study(STUDY, small | {"constraints": {"max_ruler_drop": 100.0}})  # every mean is within the limit
+    exact = objectives.exact_baseline(model, tokenizer, cfg.objectives.ruler)
+    assert sorted({r["index"] for r in exact["samples"]}) == [0, 1, 2]  # the exact side covers a promoted trial
+    monkeypatch.setattr(trial_tasks, "shared_model", lambda *a: (model, tokenizer))
+    calls = []
+    for name in ("fit", "measure_ruler", "evaluate", "measure_ttft"):
+        fn = getattr(trial_tasks, name).fn
+        wrapped = (lambda f: lambda *a: calls.append(a[-2:]) or f(*a))(fn) if name == "measure_ruler" else fn
+        monkeypatch.setattr(trial_tasks, name, wrapped)
+    params = Params(split=3, lam=1e-2, tail=16, share=0.0, sink=4)
+
+    ctx = trial_tasks.TrialContext(str(tmp_path / "model"), str(cap.path), str(tmp_path / "maps"), front=None)
+    out = trial_tasks.run_trial.fn(0, params, ctx, exact, cfg)
+    assert calls == [(0, 1), (1, 3)]  # the first sample, then the two more: none scored twice
+    assert out.ruler_ci["n"] == 2 * 3 and out.ruler_ci["promoted"] is True
+
+    calls.clear()
+    far = trial_tasks.TrialContext(ctx.path, ctx.capture, ctx.maps, front=out.speedup * 100)  # far faster front
+    out = trial_tasks.run_trial.fn(1, params, far, exact, cfg)
+    assert calls == [(0, 1)] and out.ruler_ci["n"] == 2 * 1 and out.ruler_ci["promoted"] is False
+
+
+def test_promotion_rule():
+    """Promoted: within the limit on the paired mean, and no feasible trial yet or within 2% of the best
+    speed-up; the bar is what the vLLM job is given too."""
+    from ridgefill.study import Ruler
+
+    r = Ruler(tasks=["niah_single_1", "fwe"], lengths=[512], samples=2, promote=6)
+    exact = [{"task": t, "length": 512, "index": i, "region": "exact", "score": 100.0} for t in r.tasks for i in (0, 1)]
+    lost = [row | {"score": 0.0 if (row["task"], row["index"]) == ("fwe", 0) else 100.0} for row in exact]
+    # one sample of four lost: fwe -50, niah 0 -> mean -25
+    assert objectives.promoted(objectives.promotion_bar(r, None, 30.0), lost, exact, 1.10)  # none feasible yet
+    assert not objectives.promoted(objectives.promotion_bar(r, None, 20.0), lost, exact, 9.9)  # -25 < -20
+    assert objectives.promoted(objectives.promotion_bar(r, 1.32, 10.0), exact, exact, 1.30)  # within 2% of the front
+    assert not objectives.promoted(objectives.promotion_bar(r, 1.32, 10.0), exact, exact, 1.20)  # dominated
+    assert objectives.promotion_bar(r.model_copy(update={"promote": None}), None, 10.0) is None  # nobody promoted
+    assert not objectives.promoted(None, exact, exact, 2.0)
+    try:
+        Ruler(tasks=["niah_single_1"], lengths=[512], samples=4, promote=4)
+    except ValueError as e:
+        assert "promote" in str(e)
+    else:
+        raise AssertionError("promote <= samples was accepted")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,11 @@ def test_one_progress_line_per_trial(tmp_path):
     lines = []
 
     def evaluate(batch):
-        return [RuntimeError("out of memory") if n == 1 else fake_outcome(p) for n, p in batch]
+        return [RuntimeError("out of memory") if n == 1 else outcome(p, n) for n, p in batch]
+
+    def outcome(p, n):  # trial 2 was promoted to 24 pairs (multi-fidelity): its line says so
+        ci = {"lo": -40.0 * p.lam - (20 - p.split) - 3, "hi": 0.0, "n": 24, "promoted": True} if n == 2 else None
+        return replace(fake_outcome(p), ruler_ci=ci)
 
     def on_trial(t):
         lines.append(report.progress_line(t, search.completed(study), cfg.budget.trials, DROP))
@@ -152,11 +157,13 @@ def test_one_progress_line_per_trial(tmp_path):
     search.optimize(study, cfg, evaluate, on_trial=on_trial)
     assert len(lines) == 4  # three complete and one failed
     line = re.compile(
-        r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+) \| "
+        r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+) \| RULER ([+-][\d.]+)"
+        r"(?: \[[-+\d., ]+\] n=\d+(?: promoted)?)? \| "
         r"speed-up ([\d.]+)x \| dNLL - \| feasible (yes|no) \| [\d.]+ s$"
     )
     done = [line.fullmatch(x) for x in lines if "FAILED" not in x]
     assert all(done) and [(m[1], m[2]) for m in done] == [("1", "0"), ("2", "2"), ("3", "3")]
+    assert "] n=24 promoted |" in lines[2] and "] n=" not in lines[0]
     for m in done:
         t = study.trials[int(m[2])]
         assert (int(m[3]), int(m[5])) == (t.params["split"], t.params["tail"])

@@ -154,3 +154,14 @@ def region_breakdown(
         }
         for region, pairs in sorted(groups.items())
     }
+
+
+def mean_delta(rows: Iterable[Mapping], plan: str, reference: str = "exact") -> float | None:
+    """Mean over (task, length) cells of the cell's mean paired delta (None: no sample has a partner)."""
+    cells = pair(rows, plan, reference)
+    return float(np.mean([(p - e).mean() for p, e in cells.values()])) if cells else None
+
+
+def clears(bar: Mapping[str, float], mean: float, speedup: float) -> bool:
+    """Whether a trial's cheap first look clears a promotion bar {"mean", "speedup"} (multi-fidelity)."""
+    return mean >= bar["mean"] and speedup >= bar["speedup"]

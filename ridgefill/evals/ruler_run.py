@@ -26,10 +26,12 @@ def run_ruler(
     samples: int = 10,
     seed: int = 0,
     progress: bool = True,
+    first: int = 0,
 ) -> dict:
-    """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}}."""
+    """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}} over
+    sample indices first..samples-1 (a promoted trial adds samples to those it scored)."""
     device = next(model.parameters()).device
-    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed)
+    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed, first)
     rows = []
     for task, length, batch in cells:
         for name, plan in plans.items():
@@ -40,13 +42,14 @@ def run_ruler(
     return {"samples": rows, "scores": aggregate(rows), "skipped": skipped}
 
 
-def sample_cells(tokenizer, tasks: list[str], lengths: list[int], haystack, samples: int, seed: int):
-    """([(task, length, samples)], skipped): every engine scores the same prompts, task by length."""
+def sample_cells(tokenizer, tasks: list[str], lengths: list[int], haystack, samples: int, seed: int, first: int = 0):
+    """([(task, length, samples first..samples-1)], skipped): every engine scores the same prompts, task by
+    length (sample i does not depend on how many are drawn)."""
     cells, skipped = [], []
     for task in tasks:
         for length in lengths:
             try:
-                cells.append((task, length, make_samples(task, tokenizer, length, haystack, samples, seed)))
+                cells.append((task, length, make_samples(task, tokenizer, length, haystack, samples, seed)[first:]))
             except TaskUnavailable as e:
                 skipped.append({"task": task, "length": length, "why": str(e)})
     return cells, skipped

@@ -53,8 +53,10 @@ def run_ruler_vllm(
     samples: int = 10,
     seed: int = 0,
     margins: bool = False,
+    first: int = 0,
 ) -> dict:
-    """`run_ruler`'s result on one engine; `plans` maps a name to "exact" or "served" (the engine's maps).
+    """`run_ruler`'s result on one engine (sample indices first..samples-1); `plans` maps a name to "exact" or
+    "served" (the engine's maps).
 
     RidgeFill is switched on or off per plan between batches (never while a request is in flight).
     """
@@ -67,7 +69,7 @@ def run_ruler_vllm(
             raise ValueError(f"plan {name!r}: vLLM serves 'exact' or 'served' (the engine's maps), not {kind!r}")
         if kind == "served" and state is None:
             raise RuntimeError(f"plan {name!r}: the engine serves no RidgeFill maps (see its warning)")
-    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed)
+    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed, first)
     rows = []
     try:
         for task, length, batch in cells:

@@ -7,6 +7,7 @@ Engines are callables `ttft(input_ids, plan) -> seconds`: the transformers runti
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -37,6 +38,12 @@ def transformers_engine(model: nn.Module) -> Engine:
         return time.perf_counter() - t
 
     return run
+
+
+def speedup_over_lengths(results: dict) -> float:
+    """Geometric mean of the paired speed-ups of `paired_ttft` results keyed by length."""
+    ups = [r["speedup"] for r in results.values()]
+    return math.exp(sum(math.log(u) for u in ups) / len(ups))
 
 
 def ratio_ci(exact: list[float], fill: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -31,7 +31,9 @@ def run_job(job: dict) -> dict:
     from ridgefill.vllm_plugin.offline import make_llm, served_model
 
     ruler = job.get("ruler")
-    batch = ruler["samples"] if ruler else 1
+    batch = ruler["samples"] - ruler.get("first", 0) if ruler else 1
+    if job.get("promote") and ruler:
+        batch = max(batch, job["promote"]["samples"] - ruler["samples"])
     llm = make_llm(
         job["model"], job.get("maps"), max_model_len=engine_length(job), dtype=job.get("dtype", "float32"),
         options=job.get("options"), max_num_seqs=max(8, min(256, batch)),
@@ -50,13 +52,38 @@ def run_job(job: dict) -> dict:
         t = time.perf_counter()
         out["ruler"] = run_ruler_vllm(
             llm, tok, ruler["plans"], list(ruler["tasks"]), list(ruler["lengths"]), hay, ruler["samples"],
-            ruler.get("seed", 0), margins=bool(ruler.get("margins")),
+            ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler.get("first", 0),
         )  # fmt: skip
         out["seconds"]["ruler"] = time.perf_counter() - t
     if job.get("ttft"):
         out["ttft"] = _ttft(llm, job["ttft"])
         out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
+    if job.get("promote") and ruler and job.get("ttft"):
+        _promote(llm, tok, hay, ruler, job["promote"], out)
     return out
+
+
+def _promote(llm, tok, hay, ruler: dict, promote: dict, out: dict) -> None:
+    """Multi-fidelity on the same engine: when the first samples (paired against the exact rows given) and
+    the speed-up clear the bar, score the plan on samples up to `promote["samples"]` and add them."""
+    from ridgefill.evals.paired import clears, mean_delta
+    from ridgefill.evals.ruler_run import aggregate
+    from ridgefill.evals.ruler_vllm import run_ruler_vllm
+    from ridgefill.evals.ttft import speedup_over_lengths
+
+    rows = out["ruler"]["samples"]
+    mean = mean_delta([r | {"plan": "trial"} for r in rows] + promote["exact"], "trial")
+    out["promoted"] = mean is not None and clears(promote["bar"], mean, speedup_over_lengths(out["ttft"]))
+    if not out["promoted"]:
+        return
+    t = time.perf_counter()
+    more = run_ruler_vllm(
+        llm, tok, ruler["plans"], list(ruler["tasks"]), list(ruler["lengths"]), hay, promote["samples"],
+        ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler["samples"],
+    )  # fmt: skip
+    out["ruler"]["samples"] = rows + more["samples"]
+    out["ruler"]["scores"] = aggregate(out["ruler"]["samples"])
+    out["seconds"]["promoted"] = time.perf_counter() - t
 
 
 def _ttft(llm, t: dict) -> dict:
