@@ -150,12 +150,12 @@ class Estimate:
 
 
 def _ruler_s(
-    study: Study, shape: Shape, r: Rates, bytes_: int, speedup: float, samples: int | None = None
+    study: Study, shape: Shape, r: Rates, bytes_: int, speedup: float, samples: int | None = None, spec=None
 ) -> tuple[float, list[str]]:
     """RULER over the study's tasks x lengths, `samples` per task (default the study's); on vLLM a cell's
     samples are one batch, on transformers they run one at a time. `speedup` divides the prefill FLOPs (1 for
-    exact)."""
-    ru = study.objectives.ruler
+    exact). `spec`: another RULER spec (the certification's); default the study's objective."""
+    ru = spec or study.objectives.ruler
     n = ru.samples if samples is None else samples
     vllm = study.engine == "vllm"
     rate = r.prefill if vllm else r.prefill_hf
@@ -237,10 +237,10 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     e.lines += lines
     if ru.promote:  # multi-fidelity: a promoted trial scores promote - samples more per task
         more, lines = _ruler_s(study, shape, r, b, worst, ru.promote - ru.samples)
-        e.trial["RULER promoted"] = PROMOTED_SHARE * (more + base_start)
+        e.trial["RULER promoted"] = PROMOTED_SHARE * more
         say(
-            f"trial RULER, promoted (assumed: {PROMOTED_SHARE:.0%} of trials, those near the front; the vLLM "
-            f"engine starts again): {more + base_start:.1f} s each, {e.trial['RULER promoted']:.1f} s a trial"
+            f"trial RULER, promoted (assumed: {PROMOTED_SHARE:.0%} of trials, those near the front; on the "
+            f"trial's engine): {more:.1f} s each, {e.trial['RULER promoted']:.1f} s a trial"
         )
         e.lines += lines
     nl = study.objectives.nll
@@ -257,6 +257,11 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         / rate for n in tt.lengths
     )  # fmt: skip
     say(f"trial TTFT: ({tt.warmup} warm-up + {tt.repeats}) x (exact + fill) at {tt.lengths}: {e.trial['TTFT']:.1f} s")
+    if study.certify is not None:  # the exact side (once per weights) and the chosen map, at exact's cost (a bound)
+        cert, lines = _ruler_s(study, shape, r, b, 1.0, spec=study.certify.ruler())
+        e.phases["certification"] = 2 * (base_start + cert)
+        say(f"certification (exact + the chosen map, {study.engine}): 2 x {base_start + cert:.1f} s")
+        e.lines += lines
     say(
         f"trial: {e.per_trial:.1f} s; {e.trials} trials, {e.parallel} at a time: "
         f"{math.ceil(e.trials / e.parallel) * e.per_trial:.1f} s"

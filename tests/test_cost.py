@@ -119,6 +119,11 @@ def test_smollm2_study_arithmetic():
     assert e.phases["exact baseline"] == pytest.approx(ruler_s(6, 1.0))
     assert e.trial["RULER"] == pytest.approx(ruler_s(2, speedup))
     assert e.trial["RULER promoted"] == pytest.approx(cost.PROMOTED_SHARE * ruler_s(4, speedup))
+    c = st.certify  # exact + the chosen map on the certify tasks at 2K, each bounded by exact's cost
+    step2k = cost.decode_step_s(sh, FLAT, 1, 2048, 4)
+    one = len(c.tasks) * c.samples * cost.prefill_flops(sh, 2048) / 5e10
+    one += c.samples * sum(SPECS[t].max_new_tokens for t in c.tasks) * step2k
+    assert e.phases["certification"] == pytest.approx(2 * one)
     assert e.trial["engine start"] == 0.0  # the transformers engine starts nothing
     # TTFT: (1 warm-up + 3 repeats) x (exact + fill at the least-saving corner S=22, tail 64) at 2K
     fill = cost.speedup_bound(sh, 2048, 22, 4 + 64)
