@@ -178,8 +178,8 @@ def tune(
     )
     cells = [c["all"] for lengths in exact["scores"].values() for c in lengths.values()]
     log.info(
-        "[3/%d] exact RULER baseline (%s): %s at %s tokens, %d samples each: mean %.1f",
-        STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.samples, sum(cells) / max(1, len(cells)),
+        "[3/%d] exact RULER baseline (%s): %s at %s tokens, %d samples each (a promoted trial's): mean %.1f",
+        STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.most, sum(cells) / max(1, len(cells)),
     )  # fmt: skip
     cexact = _certify_exact(cfg, res)
 
