@@ -24,6 +24,12 @@ def engine_length(job: dict) -> int:
     return max(need)
 
 
+def whole_prompts(job: dict) -> bool:
+    """The question selector chooses a prompt's rows only when the prompt is scheduled whole in one step (a
+    split one runs exact): its batches must not split prompts, or the trial would measure exact prompts."""
+    return (job.get("options") or {}).get("select") == "question"
+
+
 def run_job(job: dict) -> dict:
     """Build the engine once, run the job's RULER and TTFT on it; a JSON-ready result."""
     from transformers import AutoTokenizer
@@ -37,7 +43,7 @@ def run_job(job: dict) -> dict:
     llm = make_llm(
         job["model"], job.get("maps"), max_model_len=engine_length(job), dtype=job.get("dtype", "float32"),
         options=job.get("options"), max_num_seqs=max(8, min(256, batch)),
-        gpu_memory_utilization=job.get("gpu_memory"),
+        gpu_memory_utilization=job.get("gpu_memory"), chunked_prefill=not whole_prompts(job),
     )  # fmt: skip
     state = getattr(served_model(llm), "ridgefill", None)
     if job.get("maps") and state is None:

@@ -30,9 +30,12 @@ def make_llm(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float | None = None,
     enforce_eager: bool = True,
+    chunked_prefill: bool = True,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them.
-    `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU)."""
+    `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU).
+    `chunked_prefill=False`: a prompt waits for a step with room for all of it instead of being split, which
+    the question selector needs (a split prompt runs exact)."""
     import torch
 
     # vLLM's own variables (vLLM reads them only from the environment), for the in-process engine this makes;
@@ -56,7 +59,7 @@ def make_llm(
         max_model_len=max_model_len,
         seed=0,
         enable_prefix_caching=prefix_caching,
-        enable_chunked_prefill=True,
+        enable_chunked_prefill=chunked_prefill,
         max_num_batched_tokens=chunk or max_model_len,
         max_num_seqs=max_num_seqs,
         block_size=block_size,
