@@ -15,7 +15,7 @@ def _classifier(seed: int = 0) -> RowClassifier:
     return RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(seed)))
 
 
-def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=()):
+def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=(), held=None):
     """reqs: (id, prompt ids, computed before the step, tokens scheduled)."""
     qsl = np.concatenate([[0], np.cumsum([c for *_, c in reqs])]).astype(np.int32)
     ids = [r for r, *_ in reqs]
@@ -27,6 +27,7 @@ def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifie
         np.array([len(p) for p in prompts]),
         lambda r, n: prompts[r][:n],
         stock=stock,
+        held=held,
     )
 
 
@@ -131,11 +132,14 @@ def test_question_prompts_are_listed_in_every_step_and_earlier_chunks_protect_on
     assert first.protected.tolist() == [i < SINK for i in range(128)]
     middle = _step([("c", p, 128, 150)], classifier)  # rows 268..277 are tail rows, bulk here
     assert [(q.start, q.last) for q in middle.questions] == [(128, False)] and not middle.protected.any()
-    last = _step([("c", p, 278, 22)], classifier)
+    _step([("other", p[:20], 0, 20)], classifier, held={"c", "other"})  # "c" not scheduled, still held
+    assert ("c", 300) in classifier.kept
+    last = _step([("c", p, 278, 22)], classifier, held={"c"})
     assert [(q.start, q.last) for q in last.questions] == [(278, True)]
     assert last.protected.tolist() == want[278:].tolist()
-    _step([("other", p, 0, 10)], classifier)  # "c" left the batch: what it kept is freed
-    assert ("c", 300) not in classifier.kept
+    _step([("d", p, 0, 64)], classifier, held={"d"})
+    _step([("other", p[:20], 0, 20)], classifier, held={"other"})  # "d" ended mid-prompt: what it kept is freed
+    assert ("d", 300) not in classifier.kept
     late = _step([("late", p, 128, 172)], classifier)  # past its start, nothing kept: exact, counted at its end
     assert late.questions == [] and late.protected.all() and classifier.exact_prompts == 1
     assert classifier.inert and "exactly" in classifier.inert

@@ -125,6 +125,7 @@ class RowClassifier:
         prompt_lens: np.ndarray,
         prompt_ids: Callable[[int, int], np.ndarray],
         stock: Container[str] = (),
+        held: Container[str] | None = None,
     ) -> StepRows | None:
         """Classify a step from host-side batch state only (no device sync).
 
@@ -138,6 +139,9 @@ class RowClassifier:
         protect only the sink: a tail row run there would attend filled K/V of rows the question may choose
         later, so the last step runs it again anyway. A prompt first seen past its start without kept
         material (its earlier chunks ran stock, or it grew: a streamed prompt) runs exact from there.
+        What a chunked prompt keeps lives while its request is `held` (the runner's requests: V1 drops a
+        running request from its batch for a step it does not schedule, and a prompt must survive that);
+        without `held`, while it is in the step's batch.
         """
         n = len(req_ids)
         qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int64)
@@ -145,6 +149,7 @@ class RowClassifier:
         computed = np.asarray(num_computed[:n], dtype=np.int64)
         plens = np.asarray(prompt_lens[:n], dtype=np.int64)
         prefilling = [r for r in np.flatnonzero((counts > 0) & (computed < plens)).tolist() if req_ids[r] not in stock]
+        self._forget({(req_ids[r], int(plens[r])) for r in range(n)}, held)
         if not prefilling:
             return None
         num_tokens = int(qsl[-1])
@@ -163,14 +168,6 @@ class RowClassifier:
                 if q.key not in self.exact:
                     questions.append(q)
             self._track(req_ids[r], plen, p, protected[a:b])
-        live = {(req_ids[r], int(plens[r])) for r in range(n)}
-        for stale in [k for k in self.masks if k not in live]:
-            del self.masks[stale]
-        for stale in [k for k in self.fill if k not in live]:
-            del self.fill[stale]
-        for stale in [k for k in self.kept if k not in live]:  # a request that ended (or left) mid-prompt
-            del self.kept[stale]
-        self.exact &= live
         runs = _runs(protected, req_of_token, pos)
         decodes = int(((counts > 0) & (computed >= plens)).sum())
         return StepRows(
@@ -182,6 +179,18 @@ class RowClassifier:
             decodes=decodes,
             questions=questions,
         )
+
+    def _forget(self, live: set[tuple[str, int]], held: Container[str] | None) -> None:
+        """Drop what is kept for prompts no longer under way (`live`: this step's batch; see classify)."""
+        for stale in [k for k in self.masks if k not in live]:
+            del self.masks[stale]
+        for stale in [k for k in self.fill if k not in live]:
+            del self.fill[stale]
+        ids = {req_id for req_id, _ in live}
+        held = ids if held is None else held
+        for stale in [k for k in self.kept if k not in live and (k[0] in ids or k[0] not in held)]:
+            del self.kept[stale]  # a request that ended (or was aborted) mid-prompt, or a prompt that grew
+        self.exact &= live
 
     def _question_rows(self, q: Question, pos: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The protected rows of a question prompt's tokens in this step, before the forward's choice."""
@@ -263,6 +272,7 @@ def step_rows(runner, classifier: RowClassifier) -> StepRows | None:
         batch.num_prompt_tokens[:n],
         lambda r, plen: batch.token_ids_cpu[r, :plen],
         stock=PromptLogprobRequests(runner.requests),
+        held=runner.requests,
     )
 
 
