@@ -480,26 +480,33 @@ def test_with_a_share_requests_sharing_a_prefix_neither_store_nor_reuse_blocks(t
         assert_ridge(result, reference(t["model"], prompt, plan), reference(t["model"], prompt, FillPlan()))
 
 
-def test_question_selected_rows_equal_the_reference_and_chunked_prompts_run_exact(setup):
-    """select "question" on vLLM, unchunked: the rows the question protects, the tokens and the logprobs
-    equal the transformers runtime's, with two prompts in one step. Chunked, a prompt runs exact (its early
-    chunks would be filled before the question is seen) and the engine says so."""
+def test_question_selected_rows_equal_the_reference_in_one_step_and_chunked(setup):
+    """select "question" on vLLM: the rows the question protects, the tokens and the logprobs equal the
+    transformers runtime's, with two prompts in one step, and again with both chunked over steps of 64
+    tokens (the last chunk chooses; rows chosen in earlier chunks then run their late layers from their
+    kept h_S), which the counters show."""
     s = setup
     opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3}
     got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], chunk=2048, **opts))  # one step
     assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3)" in got["log"]
     assert_filled(got)
+    assert (got["counters"]["question_one_step"], got["counters"]["question_chunked"]) == (2, 0)
+    chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"], s["maps"], chunk=64, **opts))
+    c = chunked["counters"]
+    assert (c["question_one_step"], c["question_chunked"], c["question_exact"]) == (0, 2, 0), c
+    assert c["question_late_rows"] > 0 and "RidgeFill is inert" not in chunked["log"]
     plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2)
-    for prompt, result in zip(s["prompts"], got["results"], strict=True):
+    for prompt, result, split in zip(s["prompts"], got["results"], chunked["results"], strict=True):
         # as `generate`: the head (all rows but the last) prefilled with the plan, the last row run stock on it
         pre = prefill(s["lm"], torch.tensor([prompt[:-1]]), replace(plan, tail=47))
-        assert result["question_rows"] == pre.protected.nonzero().squeeze(-1).tolist()
+        assert result["question_rows"] == split["question_rows"] == pre.protected.nonzero().squeeze(-1).tolist()
         assert int(pre.protected.sum()) > 4 + 47 + 0.1 * len(prompt)  # the share was protected, not only edges
         with torch.inference_mode():
             last = s["lm"](input_ids=torch.tensor([prompt[-1:]]), past_key_values=pre.cache).logits[0, -1]
         ref = {"tokens": generate(s["lm"], torch.tensor([prompt]), plan, MAX_TOKENS)[0].tolist()}
         ref["logprobs"] = torch.log_softmax(last.float(), -1)
-        assert_ridge(result, ref, reference(s["lm"], prompt, FillPlan()))
-    chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"][:1], s["maps"], chunk=64, **opts))
-    assert "RidgeFill is inert" in chunked["log"] and "chunked" in chunked["log"]
-    assert_matches(chunked["results"][0], reference(s["lm"], s["prompts"][0], FillPlan()))
+        exact = reference(s["lm"], prompt, FillPlan())
+        assert_ridge(result, ref, exact)
+        assert_ridge(split, ref, exact)
+        pairs = zip(result["token_logprobs"], split["token_logprobs"], strict=True)
+        assert max(abs(a - b) for a, b in pairs) < TOL  # every generated token's logprob, chunked or not

@@ -15,7 +15,7 @@ def _classifier(seed: int = 0) -> RowClassifier:
     return RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(seed)))
 
 
-def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=()):
+def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=(), held=None):
     """reqs: (id, prompt ids, computed before the step, tokens scheduled)."""
     qsl = np.concatenate([[0], np.cumsum([c for *_, c in reqs])]).astype(np.int32)
     ids = [r for r, *_ in reqs]
@@ -27,6 +27,7 @@ def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifie
         np.array([len(p) for p in prompts]),
         lambda r, n: prompts[r][:n],
         stock=stock,
+        held=held,
     )
 
 
@@ -113,16 +114,32 @@ def test_prompt_logprob_requests_stay_stock_for_their_whole_life():
     assert "lp" in stock and "plain" not in stock and "pooling" not in stock and "gone" not in stock
 
 
-def test_question_prompts_whole_in_a_step_are_listed_and_chunked_ones_run_exact():
-    """select "question": the share is left to the forward (edge rows only here) for a prompt scheduled whole;
-    a prompt split over steps is protected in every chunk, and the inert warning says why."""
+def test_question_prompts_are_listed_in_every_step_and_earlier_chunks_protect_only_the_sink():
+    """select "question": the share is left to the forward (edge rows only here). A prompt scheduled whole is
+    listed once, as its last step; a chunked one in every step, its earlier chunks protecting only the sink
+    (tail rows there too are bulk: the last step runs them again) with room kept for the forward, its last
+    chunk the edge mask; its kept room goes when the request leaves; a prompt first seen past its start
+    without kept rows runs exact, and is counted."""
     classifier = RowClassifier(SINK, TAIL, SHARE, None, question=True)
     p = np.arange(300)
     rows = _step([("w", p, 0, 300), ("short", p[:20], 0, 20)], classifier)
-    assert rows.questions == [(0, 300, "w")]  # the short prompt is all edge rows: nothing to choose
+    assert [(q.first, q.end, q.req_id, q.start, q.last) for q in rows.questions] == [(0, 300, "w", 0, True)]
     want = protected_mask(torch.from_numpy(p), SINK, TAIL, 0.0, None)
     assert rows.protected[:300].tolist() == want.tolist() and rows.protected[300:].all()
+    assert classifier.kept == {}  # nothing to keep for a prompt scheduled whole
     first = _step([("c", p, 0, 128)], classifier)
-    later = _step([("c", p, 128, 172)], classifier)
-    assert first.questions == later.questions == [] and first.protected.all() and later.protected.all()
-    assert classifier.inert and "chunked" in classifier.inert and "max_num_batched_tokens" in classifier.inert
+    assert [(q.start, q.last) for q in first.questions] == [(0, False)] and ("c", 300) in classifier.kept
+    assert first.protected.tolist() == [i < SINK for i in range(128)]
+    middle = _step([("c", p, 128, 150)], classifier)  # rows 268..277 are tail rows, bulk here
+    assert [(q.start, q.last) for q in middle.questions] == [(128, False)] and not middle.protected.any()
+    _step([("other", p[:20], 0, 20)], classifier, held={"c", "other"})  # "c" not scheduled, still held
+    assert ("c", 300) in classifier.kept
+    last = _step([("c", p, 278, 22)], classifier, held={"c"})
+    assert [(q.start, q.last) for q in last.questions] == [(278, True)]
+    assert last.protected.tolist() == want[278:].tolist()
+    _step([("d", p, 0, 64)], classifier, held={"d"})
+    _step([("other", p[:20], 0, 20)], classifier, held={"other"})  # "d" ended mid-prompt: what it kept is freed
+    assert ("d", 300) not in classifier.kept
+    late = _step([("late", p, 128, 172)], classifier)  # past its start, nothing kept: exact, counted at its end
+    assert late.questions == [] and late.protected.all() and classifier.exact_prompts == 1
+    assert classifier.inert and "exactly" in classifier.inert

@@ -326,6 +326,7 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
     state.record(rows)
     bulk = int((~rows.protected).sum())
     want = {"bulk_steps": 1, "bulk_rows": bulk, "protected_rows": 218 - bulk, "mixed_steps": 1}
+    want |= {"question_one_step": 0, "question_chunked": 0, "question_exact": 0, "question_late_rows": 0}
     assert state.counters.as_dict() == want and rows.decodes == 1  # "dec" (the preempted one re-prefills)
     line = f"RidgeFill counters: 1 steps with bulk rows, {bulk} bulk rows filled"
     assert any(m.startswith(line) for m in ridgefill_log)

@@ -3,7 +3,8 @@
 Protected rows are grouped into runs of consecutive positions of one request; each run becomes a
 pseudo-request whose queries are the run and whose keys are its request's blocks up to the run's last
 position. The paged cache already holds every row's K/V (bulk rows' from the prediction), so causal
-attention over it is exact for the run.
+attention over it is exact for the run. Rows of earlier chunks that a question's last step runs again
+are written at their own slots (`write_kv_at`), looked up in the step's block table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ def write_kv(attn, key: Tensor, value: Tensor) -> None:
     n = key.shape[0]
     layer.impl.do_kv_cache_update(
         layer, key.view(n, -1, layer.head_size), value.view(n, -1, layer.head_size), kv_cache, slots[:n]
+    )
+
+
+def write_kv_at(attn, key: Tensor, value: Tensor, req: Tensor, positions: Tensor, cache: dict) -> None:
+    """Write K/V rows [e, kv_heads * head_dim] of rows outside the step (request index [e], position [e], on
+    the host) at their paged-cache slots; the slots are found once a step (`cache`) in the block table of
+    the step's metadata. Both layouts served ([blocks, kv_heads, block_size, 2 * head_dim] on the CPU and
+    in FlashAttention) have the block size at dim 2."""
+    meta, layer, kv_cache, slot_mapping = get_attention_context(attn.layer_name)
+    slots = cache.get("slots")
+    if slots is None:
+        size, table = kv_cache.shape[2], meta.block_table
+        req, positions = to_device(req, table.device), to_device(positions, table.device)
+        slots = table[req, positions // size].to(slot_mapping.dtype) * size + positions % size
+        cache["slots"] = slots
+    e = key.shape[0]
+    layer.impl.do_kv_cache_update(
+        layer, key.view(e, -1, layer.head_size), value.view(e, -1, layer.head_size), kv_cache, slots
     )
 
 

@@ -5,6 +5,12 @@ vLLM process) to hand the model each step's requests: their prompt lengths, prom
 where their tokens sit in the flattened batch (`step_rows`; the patch is in `patches.py`). Classification
 is by absolute position, so it holds for any chunk size, for several requests and for decodes in one
 batch (a decode row is never bulk).
+
+With the question selector a prompt's share is known only once its question (its last rows) has run
+layers 0..S-1. A prompt scheduled whole is chosen in its one step. A prompt chunked over several steps
+is filled in its earlier chunks (every row past the sink bulk, the tail's too) while the forward keeps
+what its last chunk needs (`Kept`); the last chunk chooses the share over the whole prompt and runs the
+chosen rows of earlier chunks through the late layers again, exactly (`Question`, `with_rows_before`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,43 @@ from torch import Tensor
 from ridgefill.rows import protected_mask
 
 
+@dataclass(frozen=True)
+class Question:
+    """One question prompt's tokens in a step (select "question"): batch tokens first..end, at positions
+    start.., of request `req` (index within the step) whose prompt has `plen` rows; `last`: this step ends
+    the prompt, so its share is chosen here (start 0 and last: the prompt is scheduled whole)."""
+
+    first: int
+    end: int
+    req: int
+    req_id: str
+    plen: int
+    start: int
+    last: bool
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.req_id, self.plen)
+
+
+@dataclass
+class Kept:
+    """What the earlier chunks of a chunked question prompt leave for its last chunk, on the model's device.
+
+    `split`: the split stream h_S of every row so far, from which a row the question chooses later runs its
+    late layers exactly. `keys` / `queries`: per scored layer, the roped keys of those rows and the roped
+    queries of the question rows among them. Keys rather than layer inputs: the scoring needs nothing else
+    of an earlier row, they are no wider than the input (kv heads x head dim), and they are the very values
+    the unchunked path computes, so nothing is run twice; the paged cache holds them too, but in a
+    backend's layout. Freed when the prompt's last chunk has run or the request leaves the batch.
+    """
+
+    next: int = 0  # the position the next chunk starts at
+    split: list[Tensor] = field(default_factory=list)  # [rows, d] per chunk
+    keys: list[list[Tensor]] = field(default_factory=list)  # [layer][chunk] -> [rows, kv heads * head dim]
+    queries: list[list[Tensor]] = field(default_factory=list)  # [layer][chunk] -> [question rows, heads * hd]
+
+
 @dataclass
 class StepRows:
     """One step's classification; `runs` are contiguous protected rows of one request."""
@@ -30,8 +73,8 @@ class StepRows:
     runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first token, end token, request index)
     cache: dict = field(default_factory=dict)  # per-step metadata shared by the late layers
     decodes: int = 0  # requests of the step past their prompt (decoding or recomputing outputs)
-    questions: list[tuple[int, int, str]] = field(default_factory=list)  # (first, end token, request id):
-    # whole prompts whose protected share the question picks in the forward (select "question")
+    questions: list[Question] = field(default_factory=list)  # prompts (or chunks of them) whose protected
+    # share the question picks in the forward, or keeps material for (select "question")
 
     @property
     def any_bulk(self) -> bool:
@@ -59,7 +102,9 @@ class RowClassifier:
     def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None, question: bool = False) -> None:
         self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
         self.question = question  # the share is picked in the forward, from the question's attention
-        self.chunked: set[tuple[str, int]] = set()  # question prompts split over steps: run exact (see classify)
+        self.kept: dict[tuple[str, int], Kept] = {}  # question prompts under way over several steps
+        self.exact: set[tuple[str, int]] = set()  # question prompts that run exact (see classify)
+        self.exact_prompts = 0  # question prompts run exact, counted as their prompt ends
         self.masks: dict[tuple[str, int], np.ndarray] = {}  # (request, prompt length): a prompt may grow
         self.fill: dict[tuple[str, int], list[int]] = {}  # per prompt: [rows run between sink and tail, bulk]
         self.inert: str | None = None  # why a long prompt ran with zero bulk rows (first such prompt)
@@ -80,6 +125,7 @@ class RowClassifier:
         prompt_lens: np.ndarray,
         prompt_ids: Callable[[int, int], np.ndarray],
         stock: Container[str] = (),
+        held: Container[str] | None = None,
     ) -> StepRows | None:
         """Classify a step from host-side batch state only (no device sync).
 
@@ -88,10 +134,14 @@ class RowClassifier:
         which need every row's logits) are all protected. Returns None for a step with no prompt row to
         fill (decodes only), which then runs stock at the cost of a few vector ops.
 
-        With the question selector, a prompt scheduled whole in this step is listed in `questions` (its
-        share is picked in the forward, once layers 0..S-1 have run on every row); a prompt split over
-        several steps (chunked prefill) runs exact, since its earlier chunks are filled before the question
-        is seen.
+        With the question selector, every step of a question prompt is listed in `questions`: the share is
+        picked in the forward of its last step, once layers 0..S-1 have run on every row. Its earlier chunks
+        protect only the sink: a tail row run there would attend filled K/V of rows the question may choose
+        later, so the last step runs it again anyway. A prompt first seen past its start without kept
+        material (its earlier chunks ran stock, or it grew: a streamed prompt) runs exact from there.
+        What a chunked prompt keeps lives while its request is `held` (the runner's requests: V1 drops a
+        running request from its batch for a step it does not schedule, and a prompt must survive that);
+        without `held`, while it is in the step's batch.
         """
         n = len(req_ids)
         qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int64)
@@ -99,6 +149,7 @@ class RowClassifier:
         computed = np.asarray(num_computed[:n], dtype=np.int64)
         plens = np.asarray(prompt_lens[:n], dtype=np.int64)
         prefilling = [r for r in np.flatnonzero((counts > 0) & (computed < plens)).tolist() if req_ids[r] not in stock]
+        self._forget({(req_ids[r], int(plens[r])) for r in range(n)}, held)
         if not prefilling:
             return None
         num_tokens = int(qsl[-1])
@@ -112,18 +163,11 @@ class RowClassifier:
             p = pos[a:b]
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
             if self.question and plen > self.sink + self.tail:
-                if computed[r] == 0 and b - a >= plen and (req_ids[r], plen) not in self.chunked:
-                    questions.append((a, a + plen, req_ids[r]))
-                else:
-                    self.chunked.add((req_ids[r], plen))
-                    protected[a:b] = True
+                q = Question(a, b, r, req_ids[r], plen, int(computed[r]), int(p[-1]) >= plen - 1)
+                protected[a:b] = self._question_rows(q, p, protected[a:b])
+                if q.key not in self.exact:
+                    questions.append(q)
             self._track(req_ids[r], plen, p, protected[a:b])
-        live = {(req_ids[r], int(plens[r])) for r in range(n)}
-        for stale in [k for k in self.masks if k not in live]:
-            del self.masks[stale]
-        for stale in [k for k in self.fill if k not in live]:
-            del self.fill[stale]
-        self.chunked &= live
         runs = _runs(protected, req_of_token, pos)
         decodes = int(((counts > 0) & (computed >= plens)).sum())
         return StepRows(
@@ -135,6 +179,39 @@ class RowClassifier:
             decodes=decodes,
             questions=questions,
         )
+
+    def _forget(self, live: set[tuple[str, int]], held: Container[str] | None) -> None:
+        """Drop what is kept for prompts no longer under way (`live`: this step's batch; see classify)."""
+        for stale in [k for k in self.masks if k not in live]:
+            del self.masks[stale]
+        for stale in [k for k in self.fill if k not in live]:
+            del self.fill[stale]
+        ids = {req_id for req_id, _ in live}
+        held = ids if held is None else held
+        for stale in [k for k in self.kept if k not in live and (k[0] in ids or k[0] not in held)]:
+            del self.kept[stale]  # a request that ended (or was aborted) mid-prompt, or a prompt that grew
+        self.exact &= live
+
+    def _question_rows(self, q: Question, pos: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The protected rows of a question prompt's tokens in this step, before the forward's choice."""
+        if q.start == 0:  # a new prompt, or one recomputed from its start (preemption): start afresh
+            self.exact.discard(q.key)
+            self.kept.pop(q.key, None)
+            if not q.last:
+                self.kept[q.key] = Kept()
+        elif q.key not in self.kept and q.key not in self.exact:
+            self.exact.add(q.key)
+        if q.key in self.exact:
+            self.exact_prompts += int(q.last)
+            return np.ones_like(mask)
+        return mask if q.last else pos < self.sink
+
+    def run_exact(self, q: Question) -> None:
+        """The forward found nothing kept for a question prompt past its start (its earlier chunks ran stock):
+        it runs exact from here on (the forward protects this step's rows)."""
+        self.kept.pop(q.key, None)
+        self.exact.add(q.key)
+        self.exact_prompts += int(q.last)
 
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
         """Note a prompt that ran rows between its sink and tail with none of them bulk (once its prompt is done)."""
@@ -148,11 +225,8 @@ class RowClassifier:
             why = "and the classifier protected them all"
             if self.share >= 1:
                 why = "with share 1 (every row protected)"
-            elif (req_id, plen) in self.chunked:
-                why = (
-                    "exactly: question-selected rows need the whole prompt in one step, and it was chunked; "
-                    "raise max_num_batched_tokens above the prompt length"
-                )
+            elif (req_id, plen) in self.exact:
+                why = "exactly: a question prompt first scheduled past its start, without its earlier chunks' rows"
             self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} {why}"
 
 
@@ -198,6 +272,7 @@ def step_rows(runner, classifier: RowClassifier) -> StepRows | None:
         batch.num_prompt_tokens[:n],
         lambda r, plen: batch.token_ids_cpu[r, :plen],
         stock=PromptLogprobRequests(runner.requests),
+        held=runner.requests,
     )
 
 
@@ -205,6 +280,16 @@ def reclassify(rows: StepRows) -> None:
     """After the forward changed `rows.protected` (question-selected rows): new runs, no stale metadata."""
     rows.runs = _runs(rows.protected.numpy(), rows.req_of_token.numpy(), rows.positions.numpy())
     rows.cache.clear()
+
+
+def with_rows_before(rows: StepRows, req: Tensor, positions: Tensor) -> StepRows:
+    """The step's rows with protected rows of earlier chunks (request index [e], position [e]) placed before
+    its tokens: the rows a question's last step attends for (its choice among earlier chunks, then its own)."""
+    protected = torch.cat([torch.ones(req.shape[0], dtype=torch.bool), rows.protected])
+    req_of_token = torch.cat([req, rows.req_of_token])
+    positions = torch.cat([positions, rows.positions])
+    runs = _runs(protected.numpy(), req_of_token.numpy(), positions.numpy())
+    return StepRows(rows.num_tokens + req.shape[0], protected, req_of_token, positions, runs)
 
 
 def bulk_rows(rows: StepRows) -> StepRows:

@@ -4,7 +4,8 @@ Early layers run stock on every row. When a step holds bulk rows, each late laye
 from the predicted input through the layer's own norm, k/v projections (read raw from the checkpoint:
 vLLM repacks the fused CPU weights), k-norm and RoPE, and runs the whole layer on protected rows only,
 with attention over all K/V in the paged cache. Steps without bulk rows (decodes, exact tails) run
-the stock forward.
+the stock forward, unless they hold rows of a question prompt (select "question"): those always run
+here, to keep what the prompt's last chunk needs or to choose its share (`_question_rows`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,17 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
 from ridgefill.rows import edge_rows, pooled, protect_top, question_attention
-from ridgefill.vllm_plugin.backend import attend, write_kv
-from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows, reclassify
+from ridgefill.vllm_plugin.backend import attend, write_kv, write_kv_at
+from ridgefill.vllm_plugin.batch import (
+    Kept,
+    Question,
+    RowClassifier,
+    StepRows,
+    bulk_rows,
+    reclassify,
+    to_device,
+    with_rows_before,
+)
 from ridgefill.vllm_plugin.config import QuestionRows, maps_path, question_rows, serve_options, unsupported
 from ridgefill.vllm_plugin.patches import PATCHES, log_every
 
@@ -42,9 +52,14 @@ class Counters:
     bulk_rows: int = 0  # bulk rows filled (their late-layer K/V written from the prediction)
     protected_rows: int = 0  # protected rows run through the late layers in those steps
     mixed_steps: int = 0  # of those steps, the ones that also held a decoding request
+    question_one_step: int = 0  # prompts whose share the question chose, scheduled whole in one step
+    question_chunked: int = 0  # prompts whose share the question chose over several steps (chunked prefill)
+    question_exact: int = 0  # question prompts run exact (first scheduled past their start: see batch.py)
+    question_late_rows: int = 0  # rows of earlier chunks the question chose, run through the late layers later
 
     def as_dict(self) -> dict[str, int]:
         names = ("bulk_steps", "bulk_rows", "protected_rows", "mixed_steps")
+        names += ("question_one_step", "question_chunked", "question_exact", "question_late_rows")
         return {n: getattr(self, n) for n in names}
 
     def line(self) -> str:
@@ -78,9 +93,12 @@ class ServeState:
         self.refused, self.enabled = why, False
 
     def record(self, rows: StepRows) -> None:
-        """Count a step the RidgeFill forward ran; log the counters every RIDGEFILL_LOG_EVERY such steps."""
+        """Count a step the RidgeFill forward ran with bulk rows; log the counters every RIDGEFILL_LOG_EVERY
+        such steps. (A question prompt's step may hold none: a last chunk of tail rows.)"""
         c = self.counters
         bulk = int((~rows.protected).sum())
+        if bulk == 0:
+            return
         c.bulk_steps += 1
         c.bulk_rows += bulk
         c.protected_rows += rows.num_tokens - bulk
@@ -90,10 +108,22 @@ class ServeState:
 
     def after_step(self) -> None:
         """Warn once if a long prompt ran with zero bulk rows."""
+        self.counters.question_exact = self.classifier.exact_prompts
         why = self.classifier.inert
         if why and not self.warned_inert:
             self.warned_inert = True
             log.warning("RidgeFill is inert: %s", why)
+
+
+@dataclass
+class EarlierRows:
+    """Rows of earlier chunks that a question's last step runs through the late layers, ahead of its own."""
+
+    x: Tensor  # [e, d] their split streams h_S, on the model's device
+    pos: Tensor  # [e] their positions, on the model's device
+    req: Tensor  # [e] their request index within the step (host)
+    host_pos: Tensor  # [e] their positions (host)
+    rows: StepRows  # the step's rows with these before them: the rows the late layers attend for
 
 
 def _log_at_exit(state: ServeState) -> None:
@@ -219,7 +249,7 @@ class RidgeFillMixin:
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         st = self.ridgefill
         rows = st.rows if st is not None else None
-        if rows is None or not st.enabled or not rows.any_bulk or input_ids is None:
+        if rows is None or not st.enabled or not (rows.any_bulk or rows.questions) or input_ids is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
         return self._ridgefill_forward(input_ids, positions, st, rows)
 
@@ -235,61 +265,131 @@ class RidgeFillMixin:
                 inputs[idx] = h.clone() if res is None else h + res
             h, res = layer(pos, h, res)
         stream = h if res is None else h + res
-        if inputs:
-            self._choose_question_rows(st, rows, inputs, pos)
+        early = self._question_rows(st, rows, inputs, stream, pos) if inputs else None
         st.record(rows)
         prot, bulk = rows.indices(stream.device)
-        x, split_bulk = stream[prot], stream[bulk]
+        x, pos_p, att = stream[prot], pos[prot], rows  # att: the rows attended for, in the order of x
+        if early is not None:  # chosen rows of earlier chunks run first, from their kept h_S
+            x, pos_p, att = torch.cat([early.x, x]), torch.cat([early.pos, pos_p]), early.rows
+        e = x.shape[0] - prot.shape[0]
+        split_bulk = stream[bulk]
         x_bulk = split_bulk  # exact bulk stream, advanced only in plumb mode
-        bulk_runs = bulk_rows(rows) if st.mode == "plumb" else None
-        pos_b, pos_p = pos[bulk], pos[prot]  # gathered once a step, not per layer
-        some = bool(rows.runs)  # a chunk may hold bulk rows only: it writes K/V and runs nothing else
+        has_bulk, some = rows.any_bulk, bool(att.runs)  # (zero-row tensors trip some kernels: skip, not run)
+        bulk_runs = bulk_rows(rows) if st.mode == "plumb" and has_bulk else None
+        pos_b = pos[bulk]  # gathered once a step, not per layer
         for idx in range(st.split, len(m.layers)):
             layer = m.layers[idx]
-            bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
-            key, value = self._write_rows(st, layer, idx, bulk_in, pos_b)
-            if some:  # (zero-row tensors trip some kernels' reshapes, so protected work is skipped outright)
+            attn = layer.self_attn.attn
+            if has_bulk:
+                bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
+                key, value = self._write_rows(st, layer, idx, bulk_in, pos_b)
+            if some:
                 q, k_p, v_p = self._qkv(layer, x, pos_p)
-                key, value = self._interleave(key, k_p, bulk, prot, n), self._interleave(value, v_p, bulk, prot, n)
-            write_kv(layer.self_attn.attn, key, value)
+                if e:  # their exact K/V overwrite the filled ones before any row of this layer attends
+                    write_kv_at(attn, k_p[:e], v_p[:e], early.req, early.host_pos, att.cache)
+                k_p, v_p = k_p[e:], v_p[e:]
+                if has_bulk:
+                    key, value = self._interleave(key, k_p, bulk, prot, n), self._interleave(value, v_p, bulk, prot, n)
+                else:
+                    key, value = k_p, v_p
+            write_kv(attn, key, value)
             if bulk_runs is not None:
                 qb, _, _ = self._qkv(layer, x_bulk, pos_b)
-                x_bulk = self._finish(layer, x_bulk, attend(layer.self_attn.attn, qb, bulk_runs))
+                x_bulk = self._finish(layer, x_bulk, attend(attn, qb, bulk_runs))
             if some:
-                x = self._finish(layer, x, attend(layer.self_attn.attn, q, rows))
+                x = self._finish(layer, x, attend(attn, q, att))
         out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
-        if some:
-            out[prot] = m.norm(x)
+        if prot.shape[0]:
+            out[prot] = m.norm(x[e:])
         return out
 
-    def _choose_question_rows(self, st: ServeState, rows: StepRows, inputs: dict[int, Tensor], pos: Tensor) -> None:
-        """Protect each whole prompt's share by the attention its question pays in the layers below the split.
+    def _question_rows(
+        self, st: ServeState, rows: StepRows, inputs: dict[int, Tensor], stream: Tensor, pos: Tensor
+    ) -> EarlierRows | None:
+        """Keep, or choose, each question prompt's share; return the chosen rows of earlier chunks (or None).
 
-        As the transformers runtime, on the prompt without its last row (which the stock model runs there):
-        the last `query` of those rows score every row, summed over heads and the scored layers, max-pooled.
+        A prompt's step before its last keeps its rows' scoring material and h_S (`Kept`). Its last step (the
+        only one for a prompt scheduled whole) scores every row as the transformers runtime does, protects
+        the chosen rows of this step, and returns the chosen rows of earlier chunks (past the sink, which ran
+        exact in its own step) so that the late layers run them again, exactly, before this step's rows.
         """
-        c, q = st.classifier, st.question
-        for a, end, req_id in rows.questions:
-            n = end - a - 1
-            attention = torch.zeros(n, dtype=torch.float32, device=pos.device)
-            for idx, stream in inputs.items():
-                layer = self.model.layers[idx]
-                attention += self._question_attention(layer, stream[a : a + n], pos[a : a + n], q.query)
-            attention = _all_heads(attention)
-            keep = edge_rows(n, c.sink, max(1, c.tail - 1), attention.device)
-            mask = protect_top(keep, pooled(attention, keep, q.window), c.share).cpu()
-            rows.protected[a : a + n] = mask
-            st.chosen[req_id] = mask.nonzero().squeeze(-1).tolist()
+        c = st.classifier
+        xs, pos_e, req_e = [], [], []
+        for q in rows.questions:
+            kept = c.kept.get(q.key) if q.start > 0 or not q.last else Kept()
+            if kept is None or kept.next != q.start:  # its earlier chunks ran stock: exact from here on
+                c.run_exact(q)
+                rows.protected[q.first : q.end] = True
+                continue
+            self._keep(st, q, kept, inputs, stream, pos)
+            if not q.last:
+                continue
+            c.kept.pop(q.key, None)
+            n = q.plen - 1
+            mask = self._choose(st, kept, n)
+            rows.protected[q.first : q.first + n - q.start] = mask[q.start :]
+            st.chosen[q.req_id] = mask.nonzero().squeeze(-1).tolist()
             if len(st.chosen) > 256:  # a record for the tests and the curious, not a log of every request
                 st.chosen.pop(next(iter(st.chosen)))
+            earlier = mask[: q.start].nonzero().squeeze(-1)
+            earlier = earlier[earlier >= c.sink]
+            if q.start == 0:
+                st.counters.question_one_step += 1
+            else:
+                st.counters.question_chunked += 1
+                st.counters.question_late_rows += earlier.shape[0]
+            if earlier.shape[0]:
+                xs.append(torch.cat(kept.split)[to_device(earlier, stream.device)])
+                pos_e.append(earlier)
+                req_e.append(torch.full_like(earlier, q.req))
         reclassify(rows)
+        if not xs:
+            return None
+        req, host_pos = torch.cat(req_e), torch.cat(pos_e)
+        early = with_rows_before(rows, req, host_pos)
+        return EarlierRows(torch.cat(xs), to_device(host_pos, stream.device), req, host_pos, early)
 
-    def _question_attention(self, layer, x: Tensor, pos: Tensor, query: int) -> Tensor:
-        """Attention [n] that the last `query` rows of x [n, d] pay every row (this rank's heads)."""
-        q, k, _ = self._qkv(layer, x, pos)
-        hd, n, nq = layer.self_attn.head_dim, x.shape[0], min(query, x.shape[0])
-        queries = q[n - nq :].view(nq, -1, hd).transpose(0, 1)  # [H, nq, hd]
-        return question_attention(queries, k.view(n, -1, hd).transpose(0, 1), layer.self_attn.scaling)
+    def _keep(
+        self, st: ServeState, q: Question, kept: Kept, inputs: dict[int, Tensor], stream: Tensor, pos: Tensor
+    ) -> None:
+        """Add this step's rows of a question prompt to what it keeps: per scored layer the keys of its rows
+        in the head (the prompt without its last row, as the transformers runtime scores it) and the queries
+        of its question rows (the head's last `query`); h_S of its rows unless this step ends the prompt."""
+        n, nq = q.plen - 1, min(st.question.query, q.plen - 1)
+        head = min(q.end - q.first, n - q.start)  # this step's rows in the head
+        if not kept.keys:
+            kept.keys, kept.queries = [[] for _ in inputs], [[] for _ in inputs]
+        if head > 0:
+            rows, first = slice(q.first, q.first + head), max(0, n - nq - q.start)
+            for i, (idx, x) in enumerate(inputs.items()):
+                queries, keys, _ = self._qkv(self.model.layers[idx], x[rows], pos[rows])
+                kept.keys[i].append(keys)
+                if first < head:
+                    kept.queries[i].append(queries[first:].clone())
+        if not q.last:
+            kept.split.append(stream[q.first : q.end].clone())
+        kept.next = q.start + q.end - q.first
+
+    def _choose(self, st: ServeState, kept: Kept, n: int) -> Tensor:
+        """Bool [n] (host) over a prompt's head: sink, tail and the share the question's attention picks.
+
+        The last `query` head rows score every head row, summed over heads and the scored layers, max-pooled.
+        """
+        c, q = st.classifier, st.question
+        attention = None
+        for i, idx in enumerate(range(st.split - q.layers, st.split)):
+            attn = self.model.layers[idx].self_attn
+            keys, queries = torch.cat(kept.keys[i]), torch.cat(kept.queries[i])
+            if keys.shape[0] != n or queries.shape[0] != min(q.query, n):
+                raise RuntimeError(f"question rows: kept {keys.shape[0]} keys and {queries.shape[0]} queries of {n}")
+            hd, nq = attn.head_dim, queries.shape[0]
+            a = question_attention(
+                queries.view(nq, -1, hd).transpose(0, 1), keys.view(n, -1, hd).transpose(0, 1), attn.scaling
+            )
+            attention = a if attention is None else attention + a
+        attention = _all_heads(attention)
+        keep = edge_rows(n, c.sink, max(1, c.tail - 1), attention.device)
+        return protect_top(keep, pooled(attention, keep, q.window), c.share).cpu()
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
