@@ -25,8 +25,9 @@ def engine_length(job: dict) -> int:
 
 
 def whole_prompts(job: dict) -> bool:
-    """The question selector chooses a prompt's rows only when the prompt is scheduled whole in one step (a
-    split one runs exact): its batches must not split prompts, or the trial would measure exact prompts."""
+    """With the question selector a trial's batches never split a prompt: each takes the one-step path (a split
+    prompt takes the chunked path, which equals it but keeps buffers and re-runs chosen earlier rows; before
+    that path existed a split prompt ran exact, and promoted batches measured exact prompts)."""
     return (job.get("options") or {}).get("select") == "question"
 
 

@@ -34,8 +34,8 @@ def make_llm(
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them.
     `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU).
-    `chunked_prefill=False`: a prompt waits for a step with room for all of it instead of being split, which
-    the question selector needs (a split prompt runs exact)."""
+    `chunked_prefill=False`: a prompt waits for a step with room for all of it instead of being split (the
+    tuner's question-selector trials: every prompt on the one-step path)."""
     import torch
 
     # vLLM's own variables (vLLM reads them only from the environment), for the in-process engine this makes;
