@@ -67,6 +67,13 @@ def pooled(attention: Tensor, keep: Tensor, window: int) -> Tensor:
     return F.max_pool1d(a[None, None], 2 * window + 1, stride=1, padding=window)[0, 0]
 
 
+def question_mask(attention: Tensor, sink: int, tail: int, share: float, window: int) -> Tensor:
+    """Bool [n] for the "question" selector: sink and tail rows, and the top `share` of the rest by the
+    question's attention [n], max-pooled +-window (both runtimes choose with it)."""
+    keep = edge_rows(attention.shape[-1], sink, tail, attention.device)
+    return protect_top(keep, pooled(attention, keep, window), share)
+
+
 def question_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
     """Attention [n] that the last q rows pay every row, summed over heads and query rows (causal).
 

@@ -28,10 +28,10 @@ from ridgefill.rows import (
     SELECTS,
     Select,
     edge_rows,
-    pooled,
     protect_top,
     protected_mask,
     question_attention,
+    question_mask,
     random_scores,
 )
 
@@ -113,7 +113,7 @@ def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None =
         return protect_top(keep, random_scores(ids.shape[-1]), plan.share)
     if attention is None:
         raise ValueError("question-aware rows need the early layers' attention; call prefill")
-    return protect_top(keep, pooled(attention, keep, plan.window), plan.share)
+    return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window)
 
 
 @torch.inference_mode()

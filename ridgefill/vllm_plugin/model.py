@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
-from ridgefill.rows import edge_rows, pooled, protect_top, question_attention
+from ridgefill.rows import question_attention, question_mask
 from ridgefill.vllm_plugin.backend import attend, write_kv, write_kv_at
 from ridgefill.vllm_plugin.batch import (
     Kept,
@@ -388,8 +388,7 @@ class RidgeFillMixin:
             )
             attention = a if attention is None else attention + a
         attention = _all_heads(attention)
-        keep = edge_rows(n, c.sink, max(1, c.tail - 1), attention.device)
-        return protect_top(keep, pooled(attention, keep, q.window), c.share).cpu()
+        return question_mask(attention, c.sink, max(1, c.tail - 1), c.share, q.window).cpu()
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
