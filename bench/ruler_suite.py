@@ -59,9 +59,10 @@ def make_plans(args, model, tok) -> dict[str, FillPlan]:
     return {name: plans[name] for name in args.plans}
 
 
-def plan_config(plan: FillPlan) -> dict:
+def plan_config(plan: FillPlan, engine: str = "transformers") -> dict:
+    """What identifies a plan's rows in OUT.jsonl (vLLM rows are paired only with vLLM's exact rows)."""
     keys = ("mode", "split", "sink", "tail", "share", "select", "query", "window", "score_layers")
-    return {k: getattr(plan, k) for k in keys}
+    return {k: getattr(plan, k) for k in keys} | ({"engine": engine} if engine != "transformers" else {})
 
 
 def prompt_key(ids: list[int]) -> str:
@@ -116,6 +117,12 @@ def main() -> None:
         help="first sample index to score (split one suite over processes: the same prompts, other --out)",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--engine", choices=("transformers", "vllm"), default="transformers",
+        help="vllm: every task x length of a plan in one batch on one engine per plan (exact on stock vLLM), with "
+        "the plan's paired TTFT at each length measured on the same engine; identity needs transformers",
+    )  # fmt: skip
+    ap.add_argument("--ttft-repeats", type=int, default=3, help="vllm: paired TTFT repeats per length")
     ap.add_argument("--exact-cache", type=Path, default=Path("bench/results/ruler_exact_cache.json"))
     ap.add_argument("--out", type=Path, required=True, help="stem: writes OUT.jsonl, OUT.json and OUT.md")
     ap.add_argument("--report-only", action="store_true", help="summarise OUT.jsonl without scoring more")
@@ -151,9 +158,14 @@ def main() -> None:
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     for extra in args.merge:  # rows other processes scored (--start), reported together
         rows += [json.loads(line) for line in extra.read_text().splitlines()]
+    if args.engine == "vllm" and "identity" in plans:
+        raise SystemExit("error: identity fill has no map folder for vLLM; score it with --engine transformers")
     if not args.report_only:
         hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
-        run(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
+        if args.engine == "vllm":
+            run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
+        else:
+            run(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
     report(args, model.config, plans, rows, lengths)
 
 
@@ -195,6 +207,61 @@ def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
                     with rows_path.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"{length} #{index} {task} {name}: {out['score']:.0f} ({out['seconds']}s)", flush=True)
+
+
+def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
+    """One vLLM engine per plan and length (exact: stock vLLM) scores every task's samples in one batch per task,
+    then the plan's paired TTFT at that length on the same engine (OUT.ttft.jsonl). Rows carry the engine in
+    their config, so they pair only with vLLM's own exact rows; `protected` is the policy's row count."""
+    from types import SimpleNamespace
+
+    from ridgefill.objectives import run_vllm_job, vllm_job
+    from ridgefill.study import Ruler
+
+    files = [str(f) for f in haystack_files(args.haystack)] if args.haystack else "pydoc"
+    ttft_path = args.out.with_suffix(".ttft.jsonl")
+    for length, n in zip(lengths, counts, strict=True):
+        batches = {}
+        for task in args.tasks:
+            try:
+                batches[task] = make_samples(task, tok, length, hay, n, args.seed)
+            except TaskUnavailable as e:
+                print(f"skip {task}@{length}: {e}", flush=True)
+        for name, plan in plans.items():
+            cfg = plan_config(plan, "vllm")
+            done = {(r["task"], r["index"]) for r in rows if r["plan"] == name and r["length"] == length
+                    and r["config"] == cfg}  # fmt: skip
+            cap = min(n, args.cap.get(name, n))
+            if all((t, i) in done for t in batches for i in range(args.start, cap)):
+                continue
+            ruler = Ruler(tasks=list(batches), lengths=[length], samples=cap, haystack=files, seed=args.seed)
+            ttft = None if name == "exact" else SimpleNamespace(lengths=[length], repeats=args.ttft_repeats, warmup=1)
+            t0 = time.perf_counter()
+            out = run_vllm_job(vllm_job(model, "float32", None if name == "exact" else plan, ruler, ttft,
+                                        first=args.start))  # fmt: skip
+            seconds = time.perf_counter() - t0
+            for r in [r for r in out["ruler"]["samples"] if r["plan"] == "p"]:
+                x = batches[r["task"]][r["index"]]
+                n_tok = len(x.input_ids)
+                row = {**r, "plan": name, "config": cfg, "n_tokens": n_tok, "seconds": None,
+                       "protected": n_tok if plan.mode == "exact" else policy_rows(plan, n_tok),
+                       "needle_protected": None}  # fmt: skip
+                row.pop("tokens", None)
+                rows.append(row)
+                with rows_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            if ttft is not None:
+                res = {"plan": name, "length": length, "config": cfg, **out["ttft"][str(length)]}
+                with ttft_path.open("a") as f:
+                    f.write(json.dumps(res) + "\n")
+            speed = f", TTFT {out['ttft'][str(length)]['speedup']:.2f}x" if ttft is not None else ""
+            print(f"{length} {name} on vLLM: {seconds:.0f}s{speed}", flush=True)
+
+
+def policy_rows(plan: FillPlan, n: int) -> int:
+    """Rows that run the whole model under the plan's policy: sink, tail and the share of the rest."""
+    rest = max(0, n - plan.sink - plan.tail)
+    return min(n, plan.sink + plan.tail + round(plan.share * rest))
 
 
 SELECTOR_GRID = [("rarity", 0, 0, 0), ("random", 0, 0, 0)] + [
@@ -253,15 +320,16 @@ def coverage(args, model, tok, lengths, counts) -> None:
 
 def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: list[int]) -> None:
     """Write OUT.json (every sample and the summaries) and OUT.md (the tables), and print the tables."""
-    current = {name: json.dumps(plan_config(p)) for name, p in plans.items()}
+    current = {name: json.dumps(plan_config(p, args.engine)) for name, p in plans.items()}
+    ttft = measured_ttft(args, current)
     rows = [r for r in rows if current.get(r["plan"]) == json.dumps(r["config"])]
     needle_tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
     summary, lines = {}, []
     lines.append(
         "| plan | length | tasks | n | mean score | paired delta [95% CI] | filled-region score (exact) [n] "
-        "| needle rows protected | FLOP bound |"
+        "| needle rows protected | FLOP bound | measured TTFT |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, plan in plans.items():
         if name == "exact":
             continue
@@ -284,7 +352,7 @@ def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: lis
                 f"| {name} | {length} | {n_tasks} | {o['delta'].n} | {o['score']:.1f} (exact {o['reference']:.1f}) | "
                 f"{o['delta']} | {bulk['score']:.1f} ({bulk['reference']:.1f}) [{bulk['n']}] | "
                 f"{(sum(fracs) / len(fracs) * 100) if fracs else float('nan'):.0f}% ({whole}/{len(fracs)} whole) | "
-                f"{bound:.2f}x |"
+                f"{bound:.2f}x | {ttft.get((name, length), '-')} |"
             )
     lines += ["", _task_table(plans, summary, rows)]
     md = "\n".join(lines)
@@ -301,6 +369,18 @@ def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: lis
     result["config"]["maps"] = args.maps.name
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(md + "\n")
+
+
+def measured_ttft(args, current: dict[str, str]) -> dict[tuple[str, int], str]:
+    """{(plan, length): "1.23x [lo, hi]"} from OUT.ttft.jsonl (vLLM runs), the latest row of each current plan."""
+    path = args.out.with_suffix(".ttft.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    out = {}
+    for r in rows:
+        if current.get(r["plan"]) == json.dumps(r["config"]):
+            lo, hi = r["speedup_ci95"]
+            out[(r["plan"], r["length"])] = f"{r['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]"
+    return out
 
 
 def _jsonable(cell: dict) -> dict:

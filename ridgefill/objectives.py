@@ -232,7 +232,7 @@ def vllm_job(
         if plan.maps is None:
             raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
         job["maps"] = str(plan.maps.path)
-        job["options"] = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
+        job["options"] = serve_options(plan)
     if ruler is not None:
         kind = "served" if job["maps"] else "exact"
         n = ruler.samples if samples is None else samples
@@ -246,6 +246,15 @@ def vllm_job(
         free, total = torch.cuda.mem_get_info()
         job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
     return job
+
+
+def serve_options(plan) -> dict:
+    """The plan's row policy as the plugin's hf_overrides (`ridgefill_<key>`); the question selector's query rows,
+    pooling window and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
+    opts = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
+    if plan.select == "question":
+        opts |= {"query": plan.query, "window": plan.window, "score_layers": plan.score_layers}
+    return opts
 
 
 def run_vllm_job(job: dict) -> dict:

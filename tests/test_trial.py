@@ -4,6 +4,7 @@ written), never again by the trial's later steps, and the value passed along is 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -88,7 +89,9 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
     assert ms.manifest["defaults"]["select"] == "question"
     plan = objectives.plan_for(params, ms, model, tokenizer)
     assert plan.select == "question" and plan.share == params.share
-    assert objectives.vllm_job(model, "float32", plan)["options"]["select"] == "question"
+    opts = objectives.vllm_job(model, "float32", replace(plan, window=8, query=16))["options"]
+    assert opts["select"] == "question" and (opts["window"], opts["query"]) == (8, 16)  # vLLM pools as planned
+    assert "window" not in objectives.vllm_job(model, "float32", replace(plan, select="rarity"))["options"]
     try:
         load_study(STUDY, {"search": {"select": "attention"}})
     except StudyError as e:
