@@ -182,7 +182,8 @@ RidgeFill {manifest["kind"]} maps for [{data.base_model}](https://huggingface.co
 (revision `{data.base_model_revision}`), split S = {manifest["split"]}, lambda = {manifest.get("lambda")}.
 Layers 0..S-1 run exactly; each later layer writes its K/V cache from a closed-form ridge prediction of its
 input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get("share")} chosen by
-{"the question's attention" if d.get("select") == "question" else "token rarity"}) run the full model.
+{f"the question's attention, pooled +-{d.get('window', 4)} rows" if d.get("select") == "question" else "token rarity"})
+run the full model.
 
 ## Results
 

@@ -140,7 +140,8 @@ def demo_cmd(
     d = ms.manifest["defaults"]
     chat = [{"role": "user", "content": prompt}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    plan = FillPlan("ridge", ms.split, ms, d["sink"], tail, d["share"], select=d.get("select", "rarity"))
+    plan = FillPlan("ridge", ms.split, ms, d["sink"], tail, d["share"], select=d.get("select", "rarity"),
+                    window=d.get("window", 4))  # fmt: skip
     new = generate(lm, ids, plan, max_new_tokens)
     typer.echo(tok.decode(new[0], skip_special_tokens=True))
     bulk = max(0, ids.shape[1] - d["sink"] - tail)

@@ -138,6 +138,7 @@ def serve_check(model, tokenizer, publication: Publication, local_map: str | Pat
             tail=min(d["tail"], 32),
             share=d["share"],
             select=d.get("select", "rarity"),
+            window=d.get("window", 4),
         )
         outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
     if outs[0] != outs[1]:

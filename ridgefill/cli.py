@@ -206,6 +206,7 @@ def generate(
         tail or d["tail"],
         share if share is not None else d["share"],
         select=d.get("select", "rarity"),
+        window=d.get("window", 4),
     )
     if chat and tok.chat_template:
         ids = tok.apply_chat_template(

@@ -110,7 +110,9 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
     if maps is not None and not isinstance(maps, MapSet):
         maps = load_maps(Path(maps), model, tokenizer)
     mode = "ridge" if maps is not None else "identity"
-    return FillPlan(mode, params.split, maps, params.sink, params.tail, params.share, select=params.select)
+    return FillPlan(
+        mode, params.split, maps, params.sink, params.tail, params.share, select=params.select, window=params.window
+    )
 
 
 def run_ruler_plan(

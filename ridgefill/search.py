@@ -43,6 +43,7 @@ class Params:
     share: float
     sink: int
     select: str = "rarity"  # how the share is chosen (the study's `search.select`)
+    window: int = 4  # the question selector's max-pool half-width (the study's `search.windows`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -117,12 +118,15 @@ def first_trials(search: Search, budget: int) -> list[dict]:
     (the safest), the smallest (the fastest), then S bisected between them. Quality rises and speed falls
     with S, so the front lies between the ends; a budget of 3 tries 3 splits, a larger one up to half of it.
     The share starts at its smallest value, or, with the question selector (which only acts through a
-    share), at the middle of its range."""
+    share), at the middle of its range; a searched pooling window at its middle width."""
     lam = math.sqrt(search.lam[0] * search.lam[1])
     n = max(1, min(len(search.splits), max(min(budget, 3), budget // 2)))
     splits = bracket(sorted(set(search.splits)))[:n]
     share = sum(search.share) / 2 if search.select == "question" else search.share[0]
-    return [{"split": s, "lam": lam, "tail": max(search.tails), "share": share} for s in splits]
+    start = {"lam": lam, "tail": max(search.tails), "share": share}
+    if len(search.windows) > 1:  # searched: start at the middle width
+        start["window"] = sorted(search.windows)[len(search.windows) // 2]
+    return [{"split": s, **start} for s in splits]
 
 
 def bracket(splits: list[int]) -> list[int]:
@@ -164,7 +168,9 @@ def suggest(trial: optuna.Trial, search: Search) -> Params:
         share=float(share),
         sink=search.sink,
         select=search.select,
-    )
+        window=int(trial.suggest_categorical("window", list(search.windows))) if len(search.windows) > 1 else
+        search.windows[0],
+    )  # fmt: skip
 
 
 # --- crash recovery ------------------------------------------------------------------------------------

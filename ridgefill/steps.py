@@ -263,6 +263,8 @@ def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, ou
     `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
     cap = load_capture(Path(capture_path))
     defaults = {"tail": params.tail, "sink": params.sink, "share": params.share, "select": params.select}
+    if params.select == "question":
+        defaults["window"] = params.window  # vLLM and `serve` pool the question's rows as the trial did
     maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver_for(capture_path, params.split))
     return _write(
         model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults

@@ -61,6 +61,12 @@ class Search(_Strict):
         description="how a trial's protected share is chosen: by token rarity, or by the attention the question "
         "(the last prompt rows) pays each row in the exact layers below the split; written into each map's defaults",
     )
+    windows: list[Annotated[int, Field(ge=0)]] = Field(
+        [4],
+        min_length=1,
+        description="the question selector's max-pool half-widths to search (rows either side of a row the question "
+        "attends to that are kept with it, so a whole fact stays exact); written into each map's defaults",
+    )
 
     @field_validator("lam", "share")
     @classmethod

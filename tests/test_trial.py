@@ -13,7 +13,7 @@ import torch
 from ridgefill import maps as maps_mod
 from ridgefill import objectives, steps
 from ridgefill.runtime import FillPlan
-from ridgefill.search import Params
+from ridgefill.search import Params, first_trials, suggest
 from ridgefill.study import load_study
 from tasks import trial as trial_tasks
 
@@ -72,7 +72,6 @@ def test_one_trial_hashes_each_written_file_once(tokenizer, tiny_models, tmp_pat
 def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, tiny_models, tmp_path):
     """`search.select: question`: each trial's plan protects its share by the question's attention, and the
     folder it writes says so in its defaults (the vLLM plugin and `ridgefill generate` serve from those)."""
-    from ridgefill.search import suggest
     from ridgefill.study import StudyError
 
     model = tiny_models["llama"]
@@ -81,14 +80,17 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
     cap = steps.run_capture(model, tokenizer, str(text), [2], window=64, max_windows=4, heldout=1,
                             root=tmp_path, progress=False)  # fmt: skip
     cfg = load_study(
-        STUDY, SMALL | {"search": {"splits": [2], "tails": [16], "share": [0.1, 0.3], "select": "question"}}
+        STUDY,
+        SMALL
+        | {"search": {"splits": [2], "tails": [16], "share": [0.1, 0.3], "select": "question", "windows": [2, 8]}},
     )
     params = suggest(optuna.create_study().ask(), cfg.search)
-    assert params.select == "question" and 0.1 <= params.share <= 0.3
+    assert params.select == "question" and 0.1 <= params.share <= 0.3 and params.window in (2, 8)
+    assert first_trials(cfg.search, 3)[0]["window"] == 8  # a searched width starts at its middle
     ms = steps.fit_trial(model, tokenizer, str(cap.path), params, tmp_path / "q")
-    assert ms.manifest["defaults"]["select"] == "question"
+    assert ms.manifest["defaults"]["select"] == "question" and ms.manifest["defaults"]["window"] == params.window
     plan = objectives.plan_for(params, ms, model, tokenizer)
-    assert plan.select == "question" and plan.share == params.share
+    assert plan.select == "question" and plan.share == params.share and plan.window == params.window
     opts = objectives.vllm_job(model, "float32", replace(plan, window=8, query=16))["options"]
     assert opts["select"] == "question" and (opts["window"], opts["query"]) == (8, 16)  # vLLM pools as planned
     assert "window" not in objectives.vllm_job(model, "float32", replace(plan, select="rarity"))["options"]
