@@ -104,27 +104,31 @@ def _within_budget(cfg: Study, force: bool, log, model=None, path: str | None = 
     cost.check_budget(cfg, est, force)
 
 
-def _certify_exact(cfg: Study, res: Weights) -> dict | None:
-    """The exact side of the certification (cached per weights), run before the search so that a certify
-    task that cannot be built at its length fails before any trial runs."""
+def _certify_inputs(cfg: Study, res: Weights) -> str | None:
+    """The certification's inputs hash, once its prompts are built: a certify task that cannot be built at its
+    length fails before any trial runs. Its exact side runs only once a map is chosen (`_certify`)."""
     if cfg.certify is None:
         return None
+    from ridgefill.evals.ruler import load_haystack
+    from ridgefill.evals.ruler_run import sample_cells
+
     spec = cfg.certify.ruler()
-    inputs = objectives.ruler_inputs_sha(spec)
-    m = (cfg.model.dtype, cfg.hardware.device)
-    exact = exact_ruler(res.fingerprint, res.path, *m, spec.model_dump(), inputs, cfg.engine)
-    return {"exact": exact, "inputs": inputs}
+    tok = shared_model(res.path, cfg.model.dtype, cfg.hardware.device)[1]
+    sample_cells(tok, spec.tasks, spec.lengths, load_haystack(spec.haystack), 1, spec.seed)
+    return objectives.ruler_inputs_sha(spec)
 
 
 def _certify(
-    rec: Recorder, ostudy, cfg: Study, best: report.Selection, res: Weights, cexact: dict | None, log
+    rec: Recorder, ostudy, cfg: Study, best: report.Selection, res: Weights, inputs: str | None, log
 ) -> dict | None:
-    """The chosen map's certificate, or None when the study has no certify section."""
-    if cexact is None:
+    """The chosen map's certificate (the exact side cached per weights), or None without a certify section."""
+    if inputs is None:
         log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
         return None
+    spec, m = cfg.certify.ruler(), (cfg.model.dtype, cfg.hardware.device)
+    exact = exact_ruler(res.fingerprint, res.path, *m, spec.model_dump(), inputs, cfg.engine)
     trial = next(t for t in ostudy.get_trials(deepcopy=False) if t.number == best.chosen)
-    return certify_map(rec, cfg.name, trial, res.path, cexact["inputs"], cexact["exact"], cfg)
+    return certify_map(rec, cfg.name, trial, res.path, inputs, exact, cfg)
 
 
 @flow(name="tune", log_prints=True)
@@ -181,7 +185,7 @@ def tune(
         "[3/%d] exact RULER baseline (%s): %s at %s tokens, %d samples each (a promoted trial's): mean %.1f",
         STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.most, sum(cells) / max(1, len(cells)),
     )  # fmt: skip
-    cexact = _certify_exact(cfg, res)
+    cinputs = _certify_inputs(cfg, res)
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res.revision, res.fingerprint, cfg.engine,
@@ -221,7 +225,7 @@ def tune(
         cert = None
         if best.best_map:
             log.info("[6/%d] certify: trial %s on the study's certify benchmark", STAGES, best.chosen)
-            cert = _certify(rec, ostudy, cfg, best, res, cexact, log)
+            cert = _certify(rec, ostudy, cfg, best, res, cinputs, log)
         else:
             log.info("[6/%d] certify: skipped (no feasible trial)", STAGES)
         go = (lambda: _publish(cfg, best, db_path, res.path, log)) if publish else (lambda: None)
