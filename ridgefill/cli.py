@@ -19,10 +19,12 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from registry.cli import register as register_registry
 from ridgefill import steps
 from ridgefill.default_model import cache_root
 from ridgefill.evals.cli import app as eval_app
 from ridgefill.inputs import InputError, check_rows, check_sources, check_splits, model_config, num_layers
+from ridgefill.results_cli import register as register_results
 from ridgefill.rows import ROWS, RowPolicy
 
 VERBOSE = ("-v", "--verbose")
@@ -262,13 +264,8 @@ def demo(
     typer.echo(f"map folders under {out}")
 
 
-from registry.cli import register as _register_registry  # noqa: E402
-
-_register_registry(app)
-
-from ridgefill.results_cli import register as _register_results  # noqa: E402
-
-_register_results(app)
+register_registry(app)  # the layers above the core add their commands here, the one composition root
+register_results(app)
 
 
 if __name__ == "__main__":
