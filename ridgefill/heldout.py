@@ -79,4 +79,3 @@ def score_maps(
                 for key, val in row.items():
                     acc[key] = acc.get(key, 0.0) + val / len(acts)
     return sums
-
