@@ -26,6 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ridgefill.evals.ttft import paired_ttft, transformers_engine
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import MapSet
+from ridgefill.rows import ROWS
 from ridgefill.runtime import FillPlan, prefill, protected_rows
 
 # Qwen/Qwen3-8B config.json (the fields that set shapes and numerics)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[18, 27])
-    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--tail", type=int, default=ROWS.tail)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip what is left after this many seconds")
     ap.add_argument("--out", type=Path, default=Path("gpu_ttft.json"))
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape,
         "dtype": str(dtype),
         "tail": args.tail,
-        "sink": 4,
+        "sink": ROWS.sink,
         "build_s": round(time.perf_counter() - start, 1),
         "plumb_check": plumb_check(model, args.splits[0], args.tail, min(2048, args.lengths[0])),
         "rows": [],

@@ -16,6 +16,7 @@ import torch
 
 from ridgefill.evals.ruler import load_haystack, make_samples, region_of, sample_score
 from ridgefill.maps import load_maps
+from ridgefill.rows import ROWS
 from ridgefill.runtime import FillPlan, generate
 from ridgefill.steps import load_model
 
@@ -36,8 +37,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[15, 18, 20])
     ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.1, 0.25])
     ap.add_argument("--samples", type=int, default=10)
-    ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=ROWS.sink)
+    ap.add_argument("--tail", type=int, default=ROWS.tail)
     args = ap.parse_args()
     model, tok = load_model(args.model)
     samples = make_samples(args.task, tok, args.length, load_haystack(haystack_files(args.haystack)), args.samples)

@@ -18,6 +18,7 @@ import torch
 from ridgefill.evals.ttft import random_prompt
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
+from ridgefill.rows import ROWS
 from ridgefill.runtime import FillPlan, prefill, protected_rows
 from ridgefill.steps import load_model
 
@@ -34,11 +35,12 @@ def main() -> None:
     ap.add_argument("--maps", type=Path, required=True, help="folder holding S{split}-ridge map folders")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--splits", type=int, nargs="+", default=[10, 15, 18, 20])
-    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--tail", type=int, default=ROWS.tail)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     model, tok = load_model(args.model)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tail {args.tail}, sink 4\n")
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, float32, tail {args.tail}, sink {ROWS.sink}\n")
     print("| tokens | S | exact s (median) | ridge s (median) | speed-up exact/ridge | FLOP bound |")
     print("|---|---|---|---|---|---|")
     plans = {

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ridgefill.rows import protected_mask
+from ridgefill.rows import ROWS, protected_mask
 from ridgefill.vllm_plugin.batch import RowClassifier
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk scheduled beside the decodes")
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args()
-    sink, tail = 4, 256
+    sink, tail = ROWS.sink, ROWS.tail
     print("| requests | step | earlier loop ms | classifier ms | ratio |")
     print("|---|---|---|---|---|")
     for b in args.batches:

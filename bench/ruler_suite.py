@@ -29,6 +29,7 @@ from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
+from ridgefill.rows import ROWS
 from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate, prefill
 from ridgefill.steps import load_model
 
@@ -101,8 +102,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, action="append", help="samples per task at each --length")
     ap.add_argument("--tasks", nargs="+", default=[t for t in TASKS if not t.startswith("qa")])
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
-    ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--tail", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=ROWS.sink)
+    ap.add_argument("--tail", type=int, default=ROWS.tail)
     ap.add_argument("--share", type=float, default=0.15)
     ap.add_argument("--query", type=int, default=32)
     ap.add_argument("--window", type=int, default=4)

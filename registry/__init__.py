@@ -5,7 +5,7 @@ from registry.base import Publication, RegistryError, RepoEntry
 from registry.hub import HubBackend
 from registry.local import LocalBackend
 from registry.publish import default_backend, publish, publish_best, publish_studies
-from registry.pull import pull, pull_publication, pull_publication_maps, serve_check, verify_snapshot
+from registry.pull import pull, pull_publication, serve_check, verify_snapshot
 
 __all__ = [
     "HubBackend",
@@ -19,7 +19,6 @@ __all__ = [
     "publish_studies",
     "pull",
     "pull_publication",
-    "pull_publication_maps",
     "serve_check",
     "verify_snapshot",
 ]

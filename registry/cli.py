@@ -90,10 +90,10 @@ def pull_cmd(
     lm, tok = (None, None) if model == "none" else steps.load_model(model)
     try:
         target = _backend(backend, registry, endpoint)
-        path = pull(name, revision, lm, tok, backend=target, manifest_sha256=manifest_sha256)
+        pulled = pull(name, revision, lm, tok, backend=target, manifest_sha256=manifest_sha256)
     except (RegistryError, MapError, HfHubHTTPError, OSError) as e:
         _fail(e)
-    typer.echo(str(path))
+    typer.echo(str(pulled.path))
 
 
 @maps_app.command("list")
@@ -124,7 +124,7 @@ def demo_cmd(
     from registry.pull import pull
     from ridgefill import steps
     from ridgefill.default_model import cache_root
-    from ridgefill.maps import load_maps
+    from ridgefill.rows import RowPolicy
     from ridgefill.runtime import FillPlan, generate
 
     folder = maps or cache_root() / "maps" / "smollm2-S18-ridge"
@@ -132,19 +132,17 @@ def demo_cmd(
     lm, tok = steps.load_model(model)
     try:
         pub = publish(folder, repo, study="demo", backend=target)
-        path = pull(repo, pub.revision, lm, tok, backend=target)
+        ms = pull(repo, pub.revision, lm, tok, backend=target)
     except (RegistryError, MapError) as e:
         _fail(e)
-    typer.echo(f"published {pub.repo_id}@{pub.revision} ({pub.commit_sha}); pulled and verified: {path}")
-    ms = load_maps(path, lm, tok)
-    d = ms.manifest["defaults"]
+    typer.echo(f"published {pub.repo_id}@{pub.revision} ({pub.commit_sha}); pulled and verified: {ms.path}")
+    rows = RowPolicy.of(ms.manifest["defaults"]).given(tail=tail)
     chat = [{"role": "user", "content": prompt}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    plan = FillPlan("ridge", ms.split, ms, d["sink"], tail, d["share"], select=d.get("select", "rarity"),
-                    window=d.get("window", 4))  # fmt: skip
+    plan = FillPlan("ridge", ms.split, ms, **rows.as_dict())
     new = generate(lm, ids, plan, max_new_tokens)
     typer.echo(tok.decode(new[0], skip_special_tokens=True))
-    bulk = max(0, ids.shape[1] - d["sink"] - tail)
+    bulk = max(0, ids.shape[1] - rows.sink - rows.tail)
     typer.echo(f"[{ids.shape[1]} prompt tokens: {bulk} filled from the pulled maps above layer {ms.split}]", err=True)
 
 

@@ -3,13 +3,14 @@
 Checks, in order: the manifest reads, its own digest matches its content and it is consistent; given the
 digest a publication recorded, the manifest is that one; every file it lists has its sha256; nothing unlisted
 sits beside them (README.md is a doc and never hashed, since the Hub rewrites cards); and, given the model to
-serve, its fingerprint (geometry + tokenizer) matches. A folder failing any check raises `MapError` and is not
-returned.
+serve, its fingerprint (geometry + tokenizer) matches. A folder failing any check raises `MapError`; one that
+passes is returned as the verified `MapSet`, which later steps pass along instead of checking it again.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import httpx2
@@ -84,10 +85,11 @@ def pull(
     *,
     backend: Backend | None = None,
     manifest_sha256: str | None = None,
-) -> Path:
-    """Download (or find in the cache) a map folder and return its path only after it verifies; given the
+) -> MapSet:
+    """Download (or find in the cache) a map folder and return it verified, as the `MapSet` later steps pass
+    along (its files hashed once here; its fingerprint matched to `model` when given); given the
     `manifest_sha256` a publication recorded, the pulled manifest must be that one."""
-    return _pull(repo_id_or_model_name, revision, model, tokenizer, backend, manifest_sha256)[0]
+    return read_verified(*_pull(repo_id_or_model_name, revision, model, tokenizer, backend, manifest_sha256))
 
 
 def _pull(name: str, revision, model, tokenizer, backend: Backend | None, manifest_sha256) -> tuple[Path, dict]:
@@ -101,21 +103,12 @@ def _pull(name: str, revision, model, tokenizer, backend: Backend | None, manife
     return path, manifest
 
 
-def pull_publication(pub: Publication, model=None, tokenizer=None, *, backend: Backend | None = None) -> Path:
-    """Pull exactly what a publication recorded: its commit, checked against its manifest digest."""
-    return _pull_publication(pub, model, tokenizer, backend)[0]
-
-
-def pull_publication_maps(pub: Publication, model, tokenizer, *, backend: Backend | None = None) -> MapSet:
-    """`pull_publication`, returning the verified maps (hashes checked once, fingerprint matched to `model`)."""
-    return read_verified(*_pull_publication(pub, model, tokenizer, backend))
-
-
-def _pull_publication(pub: Publication, model, tokenizer, backend: Backend | None) -> tuple[Path, dict]:
+def pull_publication(pub: Publication, model=None, tokenizer=None, *, backend: Backend | None = None) -> MapSet:
+    """Pull exactly what a publication recorded (its commit, checked against its manifest digest), verified."""
     from registry.publish import default_backend
 
     backend = backend or default_backend(pub.backend)
-    return _pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend, pub.manifest_sha256)
+    return pull(pub.repo_id, pub.commit_sha, model, tokenizer, backend=backend, manifest_sha256=pub.manifest_sha256)
 
 
 def serve_check(model, tokenizer, publication: Publication, local_map: str | Path) -> str:
@@ -124,22 +117,15 @@ def serve_check(model, tokenizer, publication: Publication, local_map: str | Pat
     import torch
 
     from ridgefill.maps import load_maps
+    from ridgefill.rows import RowPolicy
     from ridgefill.runtime import FillPlan, generate
 
-    pulled = pull_publication_maps(publication, model, tokenizer)  # its commit, checked against its digest
+    pulled = pull_publication(publication, model, tokenizer)  # its commit, checked against its digest
     ids = torch.tensor([tokenizer(" ".join(["The pulled map serves this prompt."] * 60))["input_ids"]])
     outs = []
     for ms in (pulled, load_maps(Path(local_map), model, tokenizer)):
-        d = ms.manifest["defaults"]
-        plan = FillPlan(
-            "ridge",
-            maps=ms,
-            sink=d["sink"],
-            tail=min(d["tail"], 32),
-            share=d["share"],
-            select=d.get("select", "rarity"),
-            window=d.get("window", 4),
-        )
+        rows = RowPolicy.of(ms.manifest["defaults"])
+        plan = FillPlan("ridge", maps=ms, **replace(rows, tail=min(rows.tail, 32)).as_dict())
         outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
     if outs[0] != outs[1]:
         raise RuntimeError(f"the pulled map {pulled.path} decodes differently from the measured one {local_map}")

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from ridgefill.adapters import adapter_for
+from ridgefill.rows import ROWS
 
 log = logging.getLogger(__name__)
 META = "capture.json"
@@ -253,7 +254,7 @@ def capture(
     splits: list[int],
     out: Path,
     *,
-    sink_skip: int = 4,
+    sink_skip: int = ROWS.sink,
     stride: int = 1,
     checkpoint_seconds: float = 300.0,
     stats_on: str = "auto",

@@ -19,10 +19,13 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from registry.cli import register as register_registry
 from ridgefill import steps
 from ridgefill.default_model import cache_root
 from ridgefill.evals.cli import app as eval_app
-from ridgefill.inputs import InputError, check_sources, check_splits, model_config, num_layers
+from ridgefill.inputs import InputError, check_rows, check_sources, check_splits, model_config, num_layers
+from ridgefill.results_cli import register as register_results
+from ridgefill.rows import ROWS, RowPolicy
 
 VERBOSE = ("-v", "--verbose")
 FIXES = {  # for errors whose message names the problem but not always what to do
@@ -145,13 +148,14 @@ def fit(
     model: Model = "default",
     lam: Annotated[float, typer.Option("--lambda", help="ridge strength relative to the mean eigenvalue")] = 1e-3,
     identity: Annotated[bool, typer.Option(help="write identity fill (the baseline) instead")] = False,
-    tail: int = 256,
-    sink: int = 4,
-    share: float = 0.0,
+    tail: int = ROWS.tail,
+    sink: int = ROWS.sink,
+    share: float = ROWS.share,
 ) -> None:
     """Fit ridge maps for one split, measure them on held-out windows, and write a map folder."""
     from ridgefill.capture import load_capture
 
+    rows = check_rows(ROWS, tail=tail, sink=sink, share=share)
     cap = load_capture(capture_dir)
     if split not in cap.splits:
         raise InputError(f"--split {split} was not captured in {capture_dir}: choose one of {cap.splits}, or recapture")
@@ -164,7 +168,7 @@ def fit(
         lam,
         out,
         kind="identity" if identity else "ridge",
-        defaults={"tail": tail, "sink": sink, "share": share},
+        defaults={"tail": rows.tail, "sink": rows.sink, "share": rows.share},
     )
     typer.echo(f"maps: {path}")
     _print_table(json.loads((path / "ridgefill.json").read_text()))
@@ -191,23 +195,13 @@ def generate(
     if prompt.startswith("@") and not Path(prompt[1:]).is_file():
         raise InputError(f"prompt file {prompt[1:]} does not exist: give an existing file after @, or the text")
     text = Path(prompt[1:]).read_text() if prompt.startswith("@") else prompt
-    if maps:
-        read_manifest(maps)  # a folder that is not a map folder is refused before the model loads
+    manifest = read_manifest(maps) if maps else None  # not a map folder: refused before the model loads
+    rows = check_rows(RowPolicy.of(manifest["defaults"]) if manifest else ROWS, sink=sink, tail=tail, share=share)
     lm, tok = steps.load_model(model)
     ms = load_maps(maps, lm, tok) if maps else None
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
-    d = ms.manifest["defaults"] if ms else {"tail": 256, "sink": 4, "share": 0.0}
-    plan = FillPlan(
-        mode,
-        split or (ms.split if ms else 0),
-        ms,
-        sink if sink is not None else d["sink"],
-        tail or d["tail"],
-        share if share is not None else d["share"],
-        select=d.get("select", "rarity"),
-        window=d.get("window", 4),
-    )
+    plan = FillPlan(mode, split or (ms.split if ms else 0), ms, **rows.as_dict())
     if chat and tok.chat_template:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -270,13 +264,8 @@ def demo(
     typer.echo(f"map folders under {out}")
 
 
-from registry.cli import register as _register_registry  # noqa: E402
-
-_register_registry(app)
-
-from ridgefill.results_cli import register as _register_results  # noqa: E402
-
-_register_results(app)
+register_registry(app)  # the layers above the core add their commands here, the one composition root
+register_results(app)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,30 @@
 """Held-out fit quality per late layer: how close predicted inputs, and the K/V they write, come to
-the exact ones, for the ridge maps and for identity fill (h_l = h_S) on the same rows."""
+the exact ones, for the ridge maps and for identity fill (h_l = h_S) on the same rows.
+
+The model runs once per window (`heldout_activations`); scoring maps against those activations
+(`score_maps`) needs no model pass, so every lambda of a split is scored on one pass.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ridgefill.adapters import adapter_for
 from ridgefill.capture import layer_inputs
+from ridgefill.rows import ROWS
+
+
+@dataclass(frozen=True)
+class HeldOutWindow:
+    """One held-out window at one split, rows past the sink: what scoring maps needs (nothing of lambda)."""
+
+    stream: Tensor  # [n, d] the split stream
+    inputs: dict[int, Tensor]  # late layer -> its exact input [n, d]
+    cos: Tensor  # rope tables of those rows
+    sin: Tensor
 
 
 def _rel(pred: Tensor, true: Tensor) -> float:
@@ -19,21 +36,34 @@ def _cos(pred: Tensor, true: Tensor) -> float:
 
 
 @torch.inference_mode()
-def heldout_metrics(
-    model: nn.Module, windows: Tensor, split: int, maps: dict[int, tuple[Tensor, Tensor]], sink_skip: int = 4
+def heldout_activations(
+    model: nn.Module, windows: Tensor, split: int, sink_skip: int = ROWS.sink
+) -> list[HeldOutWindow]:
+    """Run the model once over each held-out window [w, n] and keep the split stream and late inputs."""
+    ad = adapter_for(model)
+    device = next(model.parameters()).device
+    late = set(range(split, ad.num_layers))
+    acts = []
+    for i in range(windows.shape[0]):
+        ids = windows[i : i + 1].to(device)
+        inputs = layer_inputs(model, ids, late)
+        x = inputs[split][sink_skip:]
+        cos, sin = ad.rotary(x[None], torch.arange(sink_skip, ids.shape[1], device=device))
+        acts.append(HeldOutWindow(x, {l: h[sink_skip:] for l, h in inputs.items() if l != split}, cos, sin))
+    return acts
+
+
+@torch.inference_mode()
+def score_maps(
+    model: nn.Module, acts: list[HeldOutWindow], maps: dict[int, tuple[Tensor, Tensor]]
 ) -> dict[int, dict[str, dict[str, float]]]:
     """{layer: {"ridge"|"identity": {h_rel, h_cos, k_rel, k_cos, v_rel, v_cos}}}, averaged over windows."""
     ad = adapter_for(model)
-    device = next(model.parameters()).device
     sums: dict[int, dict[str, dict[str, float]]] = {}
-    for i in range(windows.shape[0]):
-        ids = windows[i : i + 1].to(device)
-        inputs = layer_inputs(model, ids, set(range(split, ad.num_layers)))
-        pos = torch.arange(sink_skip, ids.shape[1], device=device)
-        x = inputs[split][sink_skip:]
-        cos, sin = ad.rotary(x[None], pos)
+    for win in acts:
+        x, cos, sin = win.stream, win.cos, win.sin
         for l, (w, b) in maps.items():
-            layer, true = ad.layers[l], inputs[l][sink_skip:]
+            layer, true = ad.layers[l], win.inputs[l]
             k_true, v_true = ad.write_kv(layer, true[None], cos, sin)
             for name, pred in (("ridge", x @ w.to(x) + b.to(x)), ("identity", x)):
                 k, v = ad.write_kv(layer, pred[None], cos, sin)
@@ -47,5 +77,5 @@ def heldout_metrics(
                 }
                 acc = sums.setdefault(l, {}).setdefault(name, {})
                 for key, val in row.items():
-                    acc[key] = acc.get(key, 0.0) + val / windows.shape[0]
+                    acc[key] = acc.get(key, 0.0) + val / len(acts)
     return sums

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ridgefill.rows import RowPolicy
+
 
 class InputError(ValueError):
     """Bad input found before any long work starts; the message names the problem and the fix."""
@@ -78,3 +80,11 @@ def check_sources(source: str | list[str], what: str = "--source") -> None:
     for s in [source] if isinstance(source, str) else source:
         if s != "pydoc" and not str(s).startswith("hf:") and not Path(s).expanduser().exists():
             raise InputError(f"{what}: {s} does not exist: give existing .txt files or folders, or 'pydoc'")
+
+
+def check_rows(base: RowPolicy, **given) -> RowPolicy:
+    """`base` with the command-line row options given (None: keep), checked before any model loads."""
+    try:
+        return base.given(**given).check("--")
+    except ValueError as e:
+        raise InputError(f"{e}: choose another value") from None

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ridgefill import fingerprint as fp
 from ridgefill.fingerprint import portable_name
+from ridgefill.rows import ROWS
 
 FORMAT_VERSION = 2  # 2: the manifest carries its own digest
 MANIFEST = "ridgefill.json"
@@ -133,7 +134,7 @@ def write_map_set(
         "model": {**fingerprint, "name_or_path": portable_name(fingerprint.get("name_or_path", ""))},
         "split": split,
         "late_layers": sorted(weights),
-        "defaults": {"sink": 4, "tail": 256, "share": 0.0, **(defaults or {})},
+        "defaults": {"sink": ROWS.sink, "tail": ROWS.tail, "share": ROWS.share, **(defaults or {})},
         "lambda": lam,
         "dtype": str(dtype).removeprefix("torch."),
         "fit": _portable_fit(fit),

@@ -7,11 +7,16 @@ and a `share` of the remaining rows chosen by a selector:
   split, max-pooled over a small window so that a whole fact is kept, not one token of it;
 - "random": a seeded random choice, the baseline the other two must beat.
 Ties go to the earlier row.
+
+`RowPolicy` is the one home of these settings: their defaults (map folders, the command line, studies and
+the vLLM plugin take theirs from `ROWS`) and their checks.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,58 @@ from torch import Tensor
 
 Select = Literal["rarity", "question", "random"]
 SELECTS: tuple[str, ...] = ("rarity", "question", "random")
+
+
+@dataclass(frozen=True)
+class RowPolicy:
+    """Which rows a prompt protects: the first `sink`, the last `tail`, and a `share` of the rest by `select`.
+
+    `query`, `window` and `score_layers` shape the "question" selector: query rows at the end of the prompt,
+    max-pool half-width, and how many exact layers just below the split are summed.
+    """
+
+    sink: int = 4
+    tail: int = 256
+    share: float = 0.0
+    select: Select = "rarity"
+    query: int = 32
+    window: int = 4
+    score_layers: int = 3
+
+    def check(self, prefix: str = "") -> RowPolicy:
+        """This policy, or ValueError naming the bad setting as the caller spells it (`prefix`, e.g.
+        "ridgefill_" for vLLM's hf_overrides)."""
+        p = prefix
+        if not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"{p}share must lie in [0, 1], got {self.share}")
+        if self.sink < 0 or self.tail < 1:
+            raise ValueError(
+                f"{p}sink must be >= 0 and {p}tail >= 1, got {self.sink} and {self.tail} "
+                "(the last prompt row is always exact)"
+            )
+        if self.select not in SELECTS:
+            raise ValueError(f"{p}select must be one of {SELECTS}, got {self.select!r}")
+        if self.query < 1 or self.window < 0 or self.score_layers < 1:
+            raise ValueError(
+                f"question rows need {p}query >= 1, {p}window >= 0 and {p}score_layers >= 1, "
+                f"got {self.query}, {self.window} and {self.score_layers}"
+            )
+        return self
+
+    @classmethod
+    def of(cls, defaults: Mapping[str, Any]) -> RowPolicy:
+        """The policy a map folder's `defaults` (or any mapping) names, `ROWS` for what it leaves out."""
+        return cls(**{f.name: defaults[f.name] for f in fields(cls) if f.name in defaults})
+
+    def given(self, **values: Any) -> RowPolicy:
+        """This policy with the values that are not None (command-line options over a folder's defaults)."""
+        return replace(self, **{k: v for k, v in values.items() if v is not None})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ROWS = RowPolicy()  # the defaults
 
 
 def edge_rows(n: int, sink: int, tail: int, device: torch.device | str = "cpu") -> Tensor:

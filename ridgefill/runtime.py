@@ -25,7 +25,8 @@ from ridgefill.adapters import adapter_for
 from ridgefill.adapters.base import rope
 from ridgefill.maps import MapSet
 from ridgefill.rows import (
-    SELECTS,
+    ROWS,
+    RowPolicy,
     Select,
     edge_rows,
     protect_top,
@@ -43,21 +44,19 @@ MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
 class FillPlan:
     """How to prefill: the mode, split and protected-row policy (maps only for `ridge`).
 
-    `select` chooses the protected share (see `ridgefill.rows`); `query`, `window` and `score_layers`
-    shape the "question" selector: query rows at the end of the prompt, max-pool half-width, and how
-    many exact layers just below the split are summed.
+    The row fields are those of `ridgefill.rows.RowPolicy` (`policy`), which owns their defaults and checks.
     """
 
     mode: Mode = "exact"
     split: int = 0
     maps: MapSet | None = None
-    sink: int = 4
-    tail: int = 256
-    share: float = 0.0
-    select: Select = "rarity"
-    query: int = 32
-    window: int = 4
-    score_layers: int = 3
+    sink: int = ROWS.sink
+    tail: int = ROWS.tail
+    share: float = ROWS.share
+    select: Select = ROWS.select
+    query: int = ROWS.query
+    window: int = ROWS.window
+    score_layers: int = ROWS.score_layers
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,14 +65,12 @@ class FillPlan:
             raise ValueError("ridge mode needs a map folder")
         if self.maps is not None:
             self.split = self.maps.split
-        if not 0.0 <= self.share <= 1.0:
-            raise ValueError(f"share must lie in [0, 1], got {self.share}")
-        if self.sink < 0 or self.tail < 1:
-            raise ValueError("sink must be >= 0 and tail >= 1 (the last prompt row is always exact)")
-        if self.select not in SELECTS:
-            raise ValueError(f"select must be one of {SELECTS}, got {self.select!r}")
-        if self.query < 1 or self.window < 0 or self.score_layers < 1:
-            raise ValueError("question rows need query >= 1, window >= 0 and score_layers >= 1")
+        self.policy.check()
+
+    @property
+    def policy(self) -> RowPolicy:
+        """The plan's protected-row policy."""
+        return RowPolicy(self.sink, self.tail, self.share, self.select, self.query, self.window, self.score_layers)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +24,9 @@ from ridgefill.capture import Capture, capture, load_capture
 from ridgefill.default_model import cache_root, default_model_dir
 from ridgefill.fingerprint import fingerprint, fingerprint_key
 from ridgefill.fit import RidgeSolver
-from ridgefill.heldout import heldout_metrics
+from ridgefill.heldout import HeldOutWindow, heldout_activations, score_maps
 from ridgefill.maps import MapSet, write_map_set
+from ridgefill.rows import ROWS
 from ridgefill.scores import rarity
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ def run_capture(
     heldout: int = 4,
     root: Path | None = None,
     checkpoint_seconds: float = 300.0,
-    sink_skip: int = 4,
+    sink_skip: int = ROWS.sink,
     stride: int = 1,
     progress: bool = True,
 ) -> Capture:
@@ -119,25 +121,48 @@ def run_capture(
     )
 
 
-def fit_report(
-    model: nn.Module, tokenizer, cap: Capture, split: int, lam: float, solver: RidgeSolver, heldout_windows: int = 4
-) -> tuple[dict[int, tuple[Tensor, Tensor]], dict]:
-    """(float32 maps, fit provenance with held-out metrics): the work a ridge and an identity folder share."""
-    maps = {l: (w.float(), b.float()) for l, (w, b) in solver.solve(lam).items()}
+@dataclass(frozen=True)
+class HeldOut:
+    """A capture's held-out windows at one split, run through the model once; every lambda is scored on it."""
+
+    corpus_sha256: str
+    windows: int
+    acts: list[HeldOutWindow]
+
+
+def held_out(model: nn.Module, tokenizer, cap: Capture, split: int, heldout_windows: int = 4) -> HeldOut:
+    """The capture's last `heldout_windows` held-out windows (its corpus re-read and checked) at `split`."""
     _, held, corpus_sha = calibration_windows(
         tokenizer, cap.meta["source"], cap.meta["window"], cap.meta["max_windows"], cap.meta["heldout"]
     )
     if corpus_sha != cap.meta["corpus_sha256"]:
         raise ValueError("the calibration corpus changed since this capture was taken")
     held = held[:heldout_windows]
-    metrics = heldout_metrics(model, held, split, maps)
+    return HeldOut(corpus_sha, int(held.shape[0]), heldout_activations(model, held, split))
+
+
+def fit_report(
+    model: nn.Module,
+    tokenizer,
+    cap: Capture,
+    split: int,
+    lam: float,
+    solver: RidgeSolver,
+    heldout_windows: int = 4,
+    held: HeldOut | None = None,
+) -> tuple[dict[int, tuple[Tensor, Tensor]], dict]:
+    """(float32 maps, fit provenance with held-out metrics): the work a ridge and an identity folder share.
+    `held` (of this capture and split) spares the held-out model pass; without it, one is run."""
+    maps = {l: (w.float(), b.float()) for l, (w, b) in solver.solve(lam).items()}
+    held = held or held_out(model, tokenizer, cap, split, heldout_windows)
+    metrics = score_maps(model, held.acts, maps)
     fit = {
-        "corpus_sha256": corpus_sha,
+        "corpus_sha256": held.corpus_sha256,
         "source": cap.meta["source"],
         "tokens": cap.meta["windows_done"] * cap.meta["window"],
         "rows": solver.count,
         "window": cap.meta["window"],
-        "heldout_windows": int(held.shape[0]),
+        "heldout_windows": held.windows,
         "absolute_lambda": solver.absolute_lambda(lam),
         "heldout": {str(l): m for l, m in metrics.items()},
     }
@@ -258,6 +283,20 @@ def solver_for(capture_path: str, split: int) -> RidgeSolver:
     return RidgeSolver.from_stats(load_capture(Path(capture_path)).stats(split))
 
 
+_held: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], HeldOut]] = weakref.WeakKeyDictionary()
+_held_lock = threading.Lock()
+
+
+def held_out_for(model: nn.Module, tokenizer, capture_path: str, split: int) -> HeldOut:
+    """One held-out pass per model, capture and split serves every lambda of a study (kept for the process,
+    on the model's device: about windows x window x late layers x hidden size values per split)."""
+    with _held_lock:
+        per_model = _held.setdefault(model, {})
+        if (capture_path, split) not in per_model:
+            per_model[capture_path, split] = held_out(model, tokenizer, load_capture(Path(capture_path)), split)
+        return per_model[capture_path, split]
+
+
 def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, out: Path) -> MapSet:
     """Fit a trial's split at its lambda and write its map folder with its row-policy defaults: the verified
     `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
@@ -265,7 +304,9 @@ def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, ou
     defaults = {"tail": params.tail, "sink": params.sink, "share": params.share, "select": params.select}
     if params.select == "question":
         defaults["window"] = params.window  # vLLM and `serve` pool the question's rows as the trial did
-    maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver_for(capture_path, params.split))
+    held = held_out_for(model, tokenizer, capture_path, params.split)
+    solver = solver_for(capture_path, params.split)
+    maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver, held=held)
     return _write(
         model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults
     )

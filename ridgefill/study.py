@@ -19,6 +19,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ridgefill.evals.ruler import TASKS
 from ridgefill.inputs import InputError, check_sources, model_config, num_layers, split_range
+from ridgefill.rows import ROWS
 
 Pos = Annotated[int, Field(gt=0)]
 
@@ -55,9 +56,9 @@ class Search(_Strict):
     lam: tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]] = (1e-4, 1e-1)
     tails: list[Pos] = Field(min_length=1)
     share: tuple[Annotated[float, Field(ge=0, le=1)], Annotated[float, Field(ge=0, le=1)]] = (0.0, 0.0)
-    sink: Annotated[int, Field(ge=0)] = 4
+    sink: Annotated[int, Field(ge=0)] = ROWS.sink
     select: Literal["rarity", "question"] = Field(
-        "rarity",
+        ROWS.select,
         description="how a trial's protected share is chosen: by token rarity, or by the attention the question "
         "(the last prompt rows) pays each row in the exact layers below the split; written into each map's defaults",
     )

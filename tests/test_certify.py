@@ -118,7 +118,7 @@ def test_gate_publishes_a_passing_map_with_certified_numbers(chosen, tiny_models
     assert pub is not None and pub.revision == "smol"
     assert query(db, "SELECT passed FROM certifications")[1] == [(True,)]
     assert query(db, "SELECT trial FROM best_map")[1] == [(2,)]
-    card = ModelCard.load(pull(pub.repo_id, "smol", tiny_models["llama"], tokenizer) / "README.md")
+    card = ModelCard.load(pull(pub.repo_id, "smol", tiny_models["llama"], tokenizer).path / "README.md")
     index = card.data.to_dict()["model-index"][0]["results"]
     [entry] = [r for r in index if r["dataset"].get("config") == "certify"]
     assert entry["dataset"]["args"] == {

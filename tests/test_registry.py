@@ -130,22 +130,40 @@ def test_local_round_trip_serves(llama, tokenizer, maps_dir, tmp_path):
     assert pub.backend == "local" and pub.revision == "sweep-1" and len(pub.commit_sha) == 40
     store = tmp_path / "registry" / "models--ridge-org--tiny-llama-maps"
     assert (store / "refs" / "main").read_text() == pub.commit_sha == (store / "refs" / "sweep-1").read_text()
-    path = pull(REPO, "sweep-1", llama, tokenizer, backend=backend)
-    assert path == store / "snapshots" / pub.commit_sha
+    ms = pull(REPO, "sweep-1", llama, tokenizer, backend=backend)  # verified: the maps, not a path to check again
+    path = ms.path
+    assert path == store / "snapshots" / pub.commit_sha and ms.manifest == read_manifest(maps_dir)
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [*read_manifest(maps_dir)["files"], "ridgefill.json", "README.md"]
     )
     # the pulled map is the one published, and it serves
-    ms, original = load_maps(path, llama, tokenizer), load_maps(maps_dir, llama, tokenizer)
+    original = load_maps(maps_dir, llama, tokenizer)
     assert all(torch.equal(ms.layer(i)[0], original.layer(i)[0]) for i in original.weights)
     ids = torch.tensor([tokenizer("The registry keeps the measured map. " * 20)["input_ids"]])
     out = prefill(llama, ids, FillPlan("ridge", maps=ms, tail=8))
     assert torch.equal(out.logits, prefill(llama, ids, FillPlan("ridge", maps=original, tail=8)).logits)
     # the base model's name finds the repo too; the listing shows branch and study tag
-    assert pull("default", "sweep-1", backend=backend) == path
+    assert pull("default", "sweep-1", backend=backend).path == path
     [entry] = backend.list()
     assert entry.repo_id == REPO and entry.base_model == EMBEDDED_BASE
     assert entry.refs == {"main": pub.commit_sha, "sweep-1": pub.commit_sha}
+
+
+def test_serve_check_hashes_each_folder_once(llama, tokenizer, maps_dir, tmp_path, monkeypatch):
+    """After publishing, the flow pulls the map back and serves it beside the measured one: the pulled folder
+    is verified once by `pull` (the `MapSet` it returns is served as it is), the measured folder once."""
+    from collections import Counter
+
+    from ridgefill import maps as maps_mod
+
+    monkeypatch.setenv("RIDGEFILL_REGISTRY", str(tmp_path / "registry"))
+    pub = publish(maps_dir, REPO, RESULTS, study="s1", backend=LocalBackend(tmp_path / "registry"))
+    passes, real = Counter(), maps_mod.sha256_file
+    monkeypatch.setattr(maps_mod, "sha256_file", lambda path: passes.update([Path(path).parent.name]) or real(path))
+    served = registry.serve_check(llama, tokenizer, pub, maps_dir)
+    files = len(read_manifest(maps_dir)["files"])
+    assert "identical to the measured map" in served
+    assert passes == Counter({pub.commit_sha: files, maps_dir.name: files})
 
 
 def test_local_study_tag_never_moves(llama, tokenizer, maps_dir, tmp_path):
@@ -158,8 +176,8 @@ def test_local_study_tag_never_moves(llama, tokenizer, maps_dir, tmp_path):
     second = publish(other, REPO, RESULTS, study="s2", backend=backend)
     assert second.commit_sha != first.commit_sha
     # each study's tag still pulls its own map; main follows the latest publish
-    assert pull(REPO, "s1", backend=backend).name == first.commit_sha
-    assert pull(REPO, None, backend=backend).name == second.commit_sha
+    assert pull(REPO, "s1", backend=backend).path.name == first.commit_sha
+    assert pull(REPO, None, backend=backend).path.name == second.commit_sha
     with pytest.raises(RegistryError, match="not in the local registry"):
         pull(REPO, "s3", backend=backend)
 
@@ -171,7 +189,7 @@ def test_local_tampered_file_and_extra_file_refused(llama, tokenizer, maps_dir, 
     # README.md is never hashed: the Hub rewrites cards
     (snap / "README.md").unlink()
     (snap / "README.md").write_text("---\nlicense: apache-2.0\n---\nrewritten by the Hub\n")
-    assert pull(REPO, "s1", llama, tokenizer, backend=backend) == snap
+    assert pull(REPO, "s1", llama, tokenizer, backend=backend).path == snap
     # an unlisted file next to the maps is refused (scores.safetensors would otherwise load unchecked)
     (snap / "extra.safetensors").write_bytes(b"x")
     with pytest.raises(MapError, match="files not listed in the manifest: extra.safetensors"):
@@ -365,9 +383,8 @@ def test_hub_pull_offline_from_prepared_cache(hub, monkeypatch, llama, tokenizer
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # huggingface_hub reads the variable at import
     hub.calls.clear()
     backend = HubBackend(endpoint=ENDPOINT, cache_dir=tmp_path / "cache")
-    path = pull(REPO, "s1", llama, tokenizer, backend=backend)
-    assert path == snap and hub.calls == []  # nothing went out
-    ms = load_maps(path, llama, tokenizer)
+    ms = pull(REPO, "s1", llama, tokenizer, backend=backend)
+    assert ms.path == snap and hub.calls == []  # nothing went out
     ids = torch.tensor([tokenizer("offline pull " * 30)["input_ids"]])
     assert torch.isfinite(prefill(llama, ids, FillPlan("ridge", maps=ms, tail=8)).logits).all()
     # the wrong model is refused; so is a tampered cached file
@@ -465,7 +482,7 @@ def test_publish_studies_records_each_publication_once_with_its_manifest_digest(
     digests = [read_manifest(f)["manifest_sha256"] for f in (maps_dir, other)]
     assert recorded == [("s1", "s1", pubs[0].commit_sha, digests[0]), ("s2", "s2", pubs[1].commit_sha, digests[1])]
     assert [p.manifest_sha256 for p in pubs] == digests and digests[0] != digests[1]
-    card = ModelCard.load(registry.pull_publication(pubs[0], llama, tokenizer, backend=backend) / "README.md")
+    card = ModelCard.load(registry.pull_publication(pubs[0], llama, tokenizer, backend=backend).path / "README.md")
     assert {m["name"]: m["value"] for r in card.data.to_dict()["model-index"][0]["results"] for m in r["metrics"]} == {
         "delta": -0.01,
         "overall": 1.5,
@@ -506,7 +523,7 @@ def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp
     recorded = query(db, "SELECT study, repo_id, revision, commit_sha FROM publications")[1]
     assert pub.backend == "local" and pub.repo_id == "local/smollm2-135m-instruct-ridgefill" and pub.revision == "smol"
     assert published == [(str(pub),)] and recorded == [("smol", pub.repo_id, "smol", pub.commit_sha)]
-    card = ModelCard.load(pull(pub.repo_id, "smol", llama, tokenizer) / "README.md").data.to_dict()
+    card = ModelCard.load(pull(pub.repo_id, "smol", llama, tokenizer).path / "README.md").data.to_dict()
     assert card["base_model"] == base and card["base_model_revision"] == "abc123"
     metrics = {
         (r["dataset"]["type"], m["name"]): m["value"] for r in card["model-index"][0]["results"] for m in r["metrics"]

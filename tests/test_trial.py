@@ -157,3 +157,28 @@ def test_promotion_rule():
         assert "promote" in str(e)
     else:
         raise AssertionError("promote <= samples was accepted")
+
+
+def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_path):
+    """Across a study's trials only lambda changes: the held-out windows of a capture and split run through
+    the model once, and the metrics of each lambda equal those of a fit that runs its own pass."""
+    model = tiny_models["qwen3"]
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(f"word{i % 89} and other text" for i in range(3000)))
+    cap = steps.run_capture(model, tokenizer, str(text), [2], window=64, max_windows=4, heldout=2,
+                            root=tmp_path, progress=False)  # fmt: skip
+    passes = []
+    hook = model.model.register_forward_pre_hook(lambda *_: passes.append(1))
+    try:
+        fits = [
+            steps.fit_trial(model, tokenizer, str(cap.path), Params(2, lam, 16, 0.0, 4), tmp_path / f"l{lam}")
+            for lam in (1e-3, 1e-1)
+        ]
+    finally:
+        hook.remove()
+    assert len(passes) == 2  # one held-out pass (two windows) for both lambdas
+    for ms, lam in zip(fits, (1e-3, 1e-1), strict=True):
+        solver = steps.solver_for(str(cap.path), 2)
+        _, fresh = steps.fit_report(model, tokenizer, cap, 2, lam, solver)  # its own pass
+        assert ms.manifest["fit"]["heldout"] == fresh["heldout"] and ms.manifest["fit"]["heldout_windows"] == 2
+    assert fits[0].manifest["fit"]["heldout"] != fits[1].manifest["fit"]["heldout"]

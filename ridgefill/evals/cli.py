@@ -10,6 +10,7 @@ from typing import Annotated
 import torch
 import typer
 
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan
 
 app = typer.Typer(
@@ -30,20 +31,15 @@ def _load(model: str, maps: Path | None):
 
 
 def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int | None, share: float | None):
-    d = ms.manifest["defaults"] if ms else {"sink": 4, "tail": 256, "share": 0.0}
+    """The plan the options ask for: sink, tail and share given, else the folder's (the share chosen by rarity)."""
     mode = mode or ("ridge" if ms else "identity")
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
     if ms is None and mode != "exact" and split is None:
         raise typer.BadParameter("without --maps, give --split", param_hint="--split")
-    return FillPlan(
-        mode,
-        split or (ms.split if ms else 0),
-        ms,
-        d["sink"] if sink is None else sink,
-        d["tail"] if tail is None else tail,
-        d["share"] if share is None else share,
-    )
+    base = RowPolicy.of(ms.manifest["defaults"]) if ms else ROWS
+    rows = replace(base.given(sink=sink, tail=tail, share=share), select=ROWS.select)
+    return FillPlan(mode, split or (ms.split if ms else 0), ms, **rows.as_dict())
 
 
 def _text_tokens(tok, text: list[str]) -> torch.Tensor:

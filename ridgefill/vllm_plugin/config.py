@@ -10,12 +10,14 @@ import os
 from dataclasses import dataclass
 
 from ridgefill import settings
+from ridgefill.rows import ROWS, RowPolicy
 
 ARCHS = {
     "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
     "Qwen2ForCausalLM": "RidgeFillQwen2ForCausalLM",
     "Qwen3ForCausalLM": "RidgeFillQwen3ForCausalLM",
 }
+PREFIX = "ridgefill_"  # how hf_overrides spell the row policy's settings
 V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own variable: read here only to name it in a refusal
 
 
@@ -75,17 +77,15 @@ def unsupported(vllm_config) -> str | None:
 def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
     """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults; ValueError if invalid."""
     d = manifest["defaults"]
-    sink = _option(cfg, "sink", int(d["sink"]))
-    tail = _option(cfg, "tail", int(d["tail"]))
-    share = _option(cfg, "share", float(d["share"]))
+    rows = RowPolicy(
+        _option(cfg, "sink", int(d["sink"])),
+        _option(cfg, "tail", int(d["tail"])),
+        _option(cfg, "share", float(d["share"])),
+    ).check(PREFIX)
     mode = _option(cfg, "mode", "ridge")
-    if sink < 0 or tail < 1:
-        raise ValueError(f"ridgefill_sink must be >= 0 and ridgefill_tail >= 1 (got {sink}, {tail})")
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"ridgefill_share must lie in [0, 1] (got {share})")
     if mode not in ("ridge", "plumb"):
         raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
-    return sink, tail, share, mode
+    return rows.sink, rows.tail, rows.share, mode
 
 
 @dataclass(frozen=True)
@@ -102,23 +102,21 @@ def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
     """The question selector's options (hf_overrides `ridgefill_select="question"`, `ridgefill_query`,
     `ridgefill_window`, `ridgefill_score_layers`), or None for the rarity selector; ValueError if invalid."""
     d = manifest["defaults"]
-    select = _option(cfg, "select", str(d.get("select", "rarity")))
+    select = _option(cfg, "select", str(d.get("select", ROWS.select)))
     if select == "rarity" or share == 0.0:  # nothing to choose without a share
         return None
     if select != "question":
         raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {select!r})")
     rows = QuestionRows(
-        _option(cfg, "query", int(d.get("query", 32))),
-        _option(cfg, "window", int(d.get("window", 4))),
-        _option(cfg, "score_layers", int(d.get("score_layers", 3))),
+        _option(cfg, "query", int(d.get("query", ROWS.query))),
+        _option(cfg, "window", int(d.get("window", ROWS.window))),
+        _option(cfg, "score_layers", int(d.get("score_layers", ROWS.score_layers))),
     )
     if share >= 1.0:
         raise ValueError(f"ridgefill_select='question' needs ridgefill_share below 1 (got {share})")
-    if rows.query < 1 or rows.window < 0 or not 1 <= rows.layers <= int(manifest["split"]):
-        raise ValueError(
-            f"question rows need ridgefill_query >= 1, ridgefill_window >= 0 and 1 <= ridgefill_score_layers <= "
-            f"the split {manifest['split']} (got {rows.query}, {rows.window}, {rows.layers})"
-        )
+    RowPolicy(share=share, select=select, query=rows.query, window=rows.window, score_layers=rows.layers).check(PREFIX)
+    if rows.layers > int(manifest["split"]):
+        raise ValueError(f"ridgefill_score_layers must not exceed the split {manifest['split']} (got {rows.layers})")
     return rows
 
 
