@@ -170,16 +170,22 @@ def main() -> None:
     report(args, model.config, plans, rows, lengths)
 
 
+def task_batches(args, tok, hay, length: int, n: int) -> dict:
+    """{task: its n samples at this length}; a task whose data is missing offline is skipped, and said so."""
+    batches = {}
+    for task in args.tasks:
+        try:
+            batches[task] = make_samples(task, tok, length, hay, n, args.seed)
+        except TaskUnavailable as e:
+            print(f"skip {task}@{length}: {e}", flush=True)
+    return batches
+
+
 def run(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> None:
     cache = json.loads(args.exact_cache.read_text()) if args.exact_cache.exists() else {}
     done = {(r["plan"], r["task"], r["length"], r["index"], json.dumps(r["config"])) for r in rows}
     for length, n in zip(lengths, counts, strict=True):
-        batches = {}
-        for task in args.tasks:
-            try:
-                batches[task] = make_samples(task, tok, length, hay, n, args.seed)
-            except TaskUnavailable as e:
-                print(f"skip {task}@{length}: {e}", flush=True)
+        batches = task_batches(args, tok, hay, length, n)
         for index in range(args.start, n):
             for task, batch in batches.items():
                 x = batch[index]
@@ -222,12 +228,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
     files = [str(f) for f in haystack_files(args.haystack)] if args.haystack else "pydoc"
     ttft_path = args.out.with_suffix(".ttft.jsonl")
     for length, n in zip(lengths, counts, strict=True):
-        batches = {}
-        for task in args.tasks:
-            try:
-                batches[task] = make_samples(task, tok, length, hay, n, args.seed)
-            except TaskUnavailable as e:
-                print(f"skip {task}@{length}: {e}", flush=True)
+        batches = task_batches(args, tok, hay, length, n)
         for name, plan in plans.items():
             cfg = plan_config(plan, "vllm")
             done = {(r["task"], r["index"]) for r in rows if r["plan"] == name and r["length"] == length

@@ -234,7 +234,7 @@ def vllm_job(
         if plan.maps is None:
             raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
         job["maps"] = str(plan.maps.path)
-        job["options"] = serve_options(plan)
+        job["options"] = plugin_options(plan)
     if ruler is not None:
         kind = "served" if job["maps"] else "exact"
         n = ruler.samples if samples is None else samples
@@ -250,7 +250,7 @@ def vllm_job(
     return job
 
 
-def serve_options(plan) -> dict:
+def plugin_options(plan) -> dict:
     """The plan's row policy as the plugin's hf_overrides (`ridgefill_<key>`); the question selector's query rows,
     pooling window and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
     opts = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
