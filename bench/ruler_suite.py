@@ -246,7 +246,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
                 x = batches[r["task"]][r["index"]]
                 n_tok = len(x.input_ids)
                 row = {**r, "plan": name, "config": cfg, "n_tokens": n_tok, "seconds": None,
-                       "protected": n_tok if plan.mode == "exact" else policy_rows(plan, n_tok),
+                       "protected": n_tok if plan.mode == "exact" else plan.policy.protected(n_tok),
                        "needle_protected": None}  # fmt: skip
                 row.pop("tokens", None)
                 rows.append(row)
@@ -258,12 +258,6 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
                     f.write(json.dumps(res) + "\n")
             speed = f", TTFT {out['ttft'][str(length)]['speedup']:.2f}x" if ttft is not None else ""
             print(f"{length} {name} on vLLM: {seconds:.0f}s{speed}", flush=True)
-
-
-def policy_rows(plan: FillPlan, n: int) -> int:
-    """Rows that run the whole model under the plan's policy: sink, tail and the share of the rest."""
-    rest = max(0, n - plan.sink - plan.tail)
-    return min(n, plan.sink + plan.tail + round(plan.share * rest))
 
 
 SELECTOR_GRID = [("rarity", 0, 0, 0), ("random", 0, 0, 0)] + [

@@ -15,6 +15,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ridgefill.default_model import DEFAULT_MODEL_NAME
+from ridgefill.rows import RowPolicy
 
 LIBRARY = "ridgefill"
 EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -175,6 +176,8 @@ Rule: {cert["rule"]}. By needle region: {regions or "-"}.{SMALL if cert["n"] < S
 
 def body(data: ModelCardData, manifest: dict, results: Mapping, repo_id: str) -> str:
     d = manifest.get("defaults", {})
+    question = d.get("select") == "question"
+    chosen = f"the question's attention, pooled +-{RowPolicy.of(d).window} rows" if question else "token rarity"
     return f"""
 # {repo_id.split("/")[-1]}
 
@@ -182,8 +185,7 @@ RidgeFill {manifest["kind"]} maps for [{data.base_model}](https://huggingface.co
 (revision `{data.base_model_revision}`), split S = {manifest["split"]}, lambda = {manifest.get("lambda")}.
 Layers 0..S-1 run exactly; each later layer writes its K/V cache from a closed-form ridge prediction of its
 input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get("share")} chosen by
-{f"the question's attention, pooled +-{d.get('window', 4)} rows" if d.get("select") == "question" else "token rarity"})
-run the full model.
+{chosen}) run the full model.
 
 ## Results
 

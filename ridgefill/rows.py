@@ -74,6 +74,11 @@ class RowPolicy:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def protected(self, n: int) -> int:
+        """How many rows of an n-row prompt run the whole model: sink, tail and the share of the rest."""
+        edge = min(n, self.sink + self.tail)
+        return edge + share_count(self.share, n - edge)
+
 
 ROWS = RowPolicy()  # the defaults
 
@@ -86,10 +91,15 @@ def edge_rows(n: int, sink: int, tail: int, device: torch.device | str = "cpu") 
     return keep
 
 
+def share_count(share: float, rest: int) -> int:
+    """How many of `rest` unprotected rows a share protects (every selector, and the row counts, use it)."""
+    return int(round(share * rest))
+
+
 def protect_top(keep: Tensor, row_scores: Tensor, share: float) -> Tensor:
     """`keep` plus the top `share` of the other rows by `row_scores` [n] (ties: the earlier row)."""
     bulk = (~keep).nonzero().squeeze(-1)
-    k = int(round(share * bulk.numel()))
+    k = share_count(share, bulk.numel())
     out = keep.clone()
     if k > 0:
         order = torch.sort(row_scores.to(keep.device)[bulk], descending=True, stable=True).indices
@@ -100,7 +110,7 @@ def protect_top(keep: Tensor, row_scores: Tensor, share: float) -> Tensor:
 def protected_mask(token_ids: Tensor, sink: int, tail: int, share: float, scores: Tensor | None) -> Tensor:
     """Bool [n] for one prompt's token ids [n], the share chosen by token score (the "rarity" selector)."""
     keep = edge_rows(token_ids.shape[-1], sink, tail, token_ids.device)
-    if int(round(share * int((~keep).sum()))) == 0:
+    if share_count(share, int((~keep).sum())) == 0:
         return keep
     if scores is None:
         raise ValueError("a share of protected rows needs the token score table of a map folder")

@@ -103,14 +103,12 @@ def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None =
     if plan.select == "rarity":
         scores = plan.maps.scores if plan.maps is not None else None
         return protected_mask(ids, plan.sink, plan.tail, plan.share, scores)
+    if plan.select == "question" and plan.share > 0:
+        if attention is None:
+            raise ValueError("question-aware rows need the early layers' attention; call prefill")
+        return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window)
     keep = edge_rows(ids.shape[-1], plan.sink, plan.tail, ids.device)
-    if plan.share == 0:
-        return keep
-    if plan.select == "random":
-        return protect_top(keep, random_scores(ids.shape[-1]), plan.share)
-    if attention is None:
-        raise ValueError("question-aware rows need the early layers' attention; call prefill")
-    return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window)
+    return keep if plan.share == 0 else protect_top(keep, random_scores(ids.shape[-1]), plan.share)
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from ridgefill.results import Recorder, TrialRecord
+from ridgefill.rows import ROWS
 from ridgefill.study import Search, Study
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class Params:
     share: float
     sink: int
     select: str = "rarity"  # how the share is chosen (the study's `search.select`)
-    window: int = 4  # the question selector's max-pool half-width (the study's `search.windows`)
+    window: int = ROWS.window  # the question selector's max-pool half-width (the study's `search.windows`)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -63,7 +63,7 @@ class Search(_Strict):
         "(the last prompt rows) pays each row in the exact layers below the split; written into each map's defaults",
     )
     windows: list[Annotated[int, Field(ge=0)]] = Field(
-        [4],
+        [ROWS.window],
         min_length=1,
         description="the question selector's max-pool half-widths to search (rows either side of a row the question "
         "attends to that are kept with it, so a whole fact stays exact); written into each map's defaults",
