@@ -224,9 +224,10 @@ def vllm_job(
 ) -> dict:  # fmt: skip
     """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
     baseline), else the plan's map folder and row policy; RULER scores the plan ("p") on sample indices
-    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. `promote` ({"bar", "exact":
-    the exact rows}): after TTFT the job scores up to `ruler.promote` samples when the first ones and the
-    speed-up clear the bar (`promotion_bar`), on the same engine."""
+    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. `promote` ({"exact": the exact
+    rows, "bar": `promotion_bar` or None, "max_drop": optional}): the job skips TTFT when the first samples
+    cannot pass (`cannot_pass` against "max_drop"), and after TTFT scores up to `ruler.promote` samples when
+    the first ones and the speed-up clear the bar, on the same engine."""
     import torch
 
     job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
@@ -241,9 +242,12 @@ def vllm_job(
         job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}, "first": first, "samples": n}
     if ttft is not None:
         job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
-    if promote is not None and ruler is not None and ruler.promote:  # decided in the job: one engine start
-        exact = sample_rows("exact", promote["exact"])
-        job["promote"] = {"bar": promote["bar"], "samples": ruler.promote, "exact": exact}
+    if promote is not None and ruler is not None:  # decided in the job: one engine start
+        job["exact"] = sample_rows("exact", promote["exact"])
+        if promote.get("max_drop") is not None:
+            job["gate"] = {"max_drop": promote["max_drop"], "seed": ruler.seed}
+        if promote.get("bar") and ruler.promote:
+            job["promote"] = {"bar": promote["bar"], "samples": ruler.promote}
     if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
         free, total = torch.cuda.mem_get_info()
         job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
@@ -281,11 +285,12 @@ def run_vllm_job(job: dict) -> dict:
 
 def run_trial_vllm(model, plan, cfg: Study, promote: dict | None = None) -> dict:
     """One engine per trial serves its RULER (every sample of a task x length in one batch), its paired TTFT
-    and, when `promote` ({"bar", "exact"}) is cleared, the promoted trial's further samples:
-    {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result}, "promoted": bool}."""
+    (None: skipped, the trial cannot pass) and, when `promote` ({"bar", "exact", "max_drop"}: `vllm_job`) is
+    cleared, the promoted trial's further samples:
+    {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result} or None, "promoted": bool}."""
     r = cfg.objectives.ruler
     out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, promote=promote))
-    return {"ruler": ruler_result(out["ruler"]), "ttft": out["ttft"], "promoted": bool(out.get("promoted"))}
+    return {"ruler": ruler_result(out["ruler"]), "ttft": out.get("ttft"), "promoted": bool(out.get("promoted"))}
 
 
 def run_ruler_vllm_plan(model, plan, cfg: Study, first: int, samples: int) -> dict:
@@ -337,22 +342,49 @@ class Evaluation:
 
 @dataclass
 class Timing:
-    """A trial's paired TTFT: the geometric-mean speed-up and metric rows."""
+    """A trial's paired TTFT: the geometric-mean speed-up and metric rows; `measured` False: not timed (the
+    trial cannot pass, `cannot_pass`), `speedup` is then the FLOP bound, which only Optuna sees."""
 
     speedup: float
     rows: list[tuple]
+    measured: bool = True
 
     @classmethod
     def of(cls, results: dict) -> Timing:
         return cls(ttft_speedup(results), ttft_rows(results))
 
+    @classmethod
+    def bound(cls, config, params: Params, lengths: Sequence[int]) -> Timing:
+        """The FLOP bound in place of a measurement (`ridgefill.flops.speedup_bound`, geometric mean over the
+        TTFT lengths): an infeasible trial's speed-up steers nothing (Optuna's constrained TPE ranks infeasible
+        trials by their violation alone) and is recorded as not measured."""
+        import math
 
-def evaluate_plan(model, tokenizer, plan, exact: dict, cfg: Study, ruler: dict | None = None) -> Evaluation:
+        from ridgefill.flops import speedup_bound
+        from ridgefill.rows import RowPolicy
+
+        rows = RowPolicy(sink=params.sink, tail=params.tail, share=params.share)
+        ups = {n: speedup_bound(config, n, params.split, rows.protected(n)) for n in lengths}
+        metric = [("ttft", "trial", "speedup_bound", int(n), "all", v, 0) for n, v in ups.items()]
+        return cls(math.exp(sum(math.log(v) for v in ups.values()) / len(ups)), metric, measured=False)
+
+
+def cannot_pass(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:
+    """Whether a trial's first samples already fail the constraint beyond what promotion could change (their
+    mean and CI lower bound below -max_drop): its TTFT is then not measured (`Timing.bound`)."""
+    from ridgefill.evals.paired import cannot_pass as below
+
+    return below(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial", max_drop, seed)
+
+
+def evaluate_plan(
+    model, tokenizer, plan, exact: dict, cfg: Study, ruler: dict | None = None, nll: bool = True
+) -> Evaluation:
     """RULER delta paired against the exact baseline and dNLL of a trial's plan (`ruler`: already measured
-    on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers)."""
+    on vLLM, `run_ruler_plan`'s shape; dNLL stays on transformers; `nll` False: none)."""
     if ruler is None:
         ruler = run_ruler_plan(model, tokenizer, plan, cfg.objectives.ruler)
     paired = paired_delta(ruler["samples"], exact["samples"], cfg.objectives.ruler.seed)
-    dnll, nll_rows = run_nll(model, tokenizer, plan, cfg)
+    dnll, nll_rows = run_nll(model, tokenizer, plan, cfg) if nll else (None, [])
     ci = {k: paired[k] for k in ("lo", "hi", "n")}
     return Evaluation(paired["mean"], ci, dnll, ruler_rows("trial", ruler["scores"]) + nll_rows)

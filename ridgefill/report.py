@@ -10,7 +10,7 @@ from pathlib import Path
 from optuna.trial import FrozenTrial, TrialState
 
 from ridgefill.results import Recorder
-from ridgefill.search import feasible, params_of
+from ridgefill.search import feasible, measured_speedup, params_of
 from ridgefill.study import Study
 
 # --- the front and the choice --------------------------------------------------------------------------
@@ -41,7 +41,8 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     on_front = {t.number for t in front(trials, max_drop)}
     lines = [
         f"Constraint: the 95% CI lower bound of the paired RULER delta >= -{max_drop:g} points. "
-        "`*` Pareto front, `**` chosen, `+` promoted (scored on more samples: it could join the front).",
+        "`*` Pareto front, `**` chosen, `+` promoted (scored on more samples: it could join the front); "
+        "speed-up `-`: not timed (its first samples already failed the constraint).",
         "",
         "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | dNLL | feasible | |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -52,10 +53,16 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
         band = f"[{ci['lo']:+.1f}, {ci['hi']:+.1f}] ({ci['n']}{'+' if ci.get('promoted') else ''})" if ci else "-"
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
-            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {t.values[1]:.3f}x | "
+            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {speed(t)} | "
             f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t, max_drop) else 'no'} | {mark} |"
         )
     return "\n".join(lines)
+
+
+def speed(t: FrozenTrial, missing: str = "-") -> str:
+    """A trial's measured speed-up as shown (`missing` when it was not timed)."""
+    up = measured_speedup(t)
+    return missing if up is None else f"{up:.3f}x"
 
 
 def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> str:
@@ -72,7 +79,7 @@ def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> st
     band = f" [{ci['lo']:+.1f}, {ci['hi']:+.1f}] n={ci['n']}{' promoted' if ci.get('promoted') else ''}" if ci else ""
     return (
         f"trial {done}/{budget} (#{t.number}): {knobs} | RULER {t.values[0]:+.2f}{band} | "
-        f"speed-up {t.values[1]:.3f}x | "
+        f"speed-up {speed(t, 'not timed')} | "
         f"dNLL {'-' if d is None else f'{d:+.4f}'} | feasible {'yes' if feasible(t, max_drop) else 'no'} | {secs:.1f} s"
     )
 
@@ -87,6 +94,7 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     fr = front(done, max_drop)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    done = [t for t in done if measured_speedup(t) is not None]  # not timed: no point on the speed axis
     ok = [t for t in done if feasible(t, max_drop)]
     bad = [t for t in done if not feasible(t, max_drop)]
     ax.scatter([t.values[1] for t in ok], [t.values[0] for t in ok], c="tab:blue", label="feasible")

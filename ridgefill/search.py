@@ -60,6 +60,7 @@ class Outcome:
     map_path: str | None = None
     metrics: list[tuple] = field(default_factory=list)  # (kind, plan, task, length, region, value, n)
     ruler_ci: dict | None = None  # {"lo", "hi", "n"} of the paired delta's 95% CI; None: judged on the mean
+    speedup_measured: bool = True  # False: not timed (infeasible on its first samples); `speedup` is the FLOP bound
 
 
 Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
@@ -230,6 +231,8 @@ def finish(study: optuna.Study, trial: optuna.Trial, out: Outcome | BaseExceptio
     trial.set_user_attr("dnll", out.dnll)
     trial.set_user_attr("map_path", out.map_path)
     trial.set_user_attr("metrics", [list(m) for m in out.metrics])
+    if not out.speedup_measured:
+        trial.set_user_attr("speedup_measured", False)
     study.tell(trial, [float(out.ruler_delta), float(out.speedup)])
 
 
@@ -306,6 +309,13 @@ def best_feasible_speedup(study: optuna.Study, max_drop: float) -> float | None:
     return max(ups) if ups else None
 
 
+def measured_speedup(t: FrozenTrial) -> float | None:
+    """A complete trial's measured TTFT speed-up (None: not complete, or not timed because it could not pass)."""
+    if t.state != TrialState.COMPLETE or t.user_attrs.get("speedup_measured") is False:
+        return None
+    return t.values[1]
+
+
 def params_of(t: FrozenTrial) -> dict:
     """A trial's full parameters (trials of studies begun before they were stored whole: t.params + sink)."""
     return t.user_attrs.get("params") or dict(t.params) | {"sink": t.user_attrs.get("sink")}
@@ -321,7 +331,7 @@ def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
         state=t.state.name,
         params=params_of(t),
         ruler_delta=t.values[0] if done else None,
-        speedup=t.values[1] if done else None,
+        speedup=measured_speedup(t),
         dnll=t.user_attrs.get("dnll"),
         feasible=feasible(t, max_drop) if done else None,
         map_path=t.user_attrs.get("map_path"),

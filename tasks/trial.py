@@ -4,7 +4,8 @@ settings, engine and inputs).
 
 Multi-fidelity (`objectives.ruler.promote`): every trial scores `samples` per task; one whose paired mean is
 within the limit and whose speed-up could join the front (`TrialContext.front`, the best feasible speed-up when
-it started) scores up to `promote`, and its constraint is judged on the CI of all its samples."""
+it started) scores up to `promote`, and its constraint is judged on the CI of all its samples. One whose first
+samples already fail the constraint (`objectives.cannot_pass`) is not timed: no speed-up could make it feasible."""
 
 from __future__ import annotations
 
@@ -64,12 +65,13 @@ def evaluate(
     exact: dict,
     cfg: Study,
     ruler: dict | None = None,
+    nll: bool = True,
 ) -> Evaluation:
     """RULER delta paired against the exact baseline (mean and 95% CI) and dNLL of the trial's plan, with
-    metric rows (`ruler`: already measured on vLLM)."""
+    metric rows (`ruler`: already measured on vLLM; `nll` False: no dNLL, the trial cannot pass)."""
     lm, tok = shared_model(path, dtype, device)
     plan = objectives.plan_for(params, maps, lm, tok)
-    return objectives.evaluate_plan(lm, tok, plan, exact, cfg, ruler)
+    return objectives.evaluate_plan(lm, tok, plan, exact, cfg, ruler, nll)
 
 
 @task(cache_policy=NO_CACHE)
@@ -109,17 +111,27 @@ def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: 
     m = (ctx.path, cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx.maps) / f"trial-{number:04d}")
     maps = fit(ctx.capture, *m, params, out)  # verified once, as written: passed along, never re-hashed here
-    r = cfg.objectives.ruler
-    bar = objectives.promotion_bar(r, ctx.front, cfg.constraints.max_ruler_drop)
+    r, max_drop = cfg.objectives.ruler, cfg.constraints.max_ruler_drop
+    bar = objectives.promotion_bar(r, ctx.front, max_drop)
     if cfg.engine == "vllm":  # one engine serves the trial's RULER, TTFT and, promoted, its further samples
-        served = serve_vllm(*m, params, maps, cfg, bar and {"bar": bar, "exact": exact["samples"]})
-        ruler, tt, promote = served["ruler"], Timing.of(served["ttft"]), served["promoted"]
+        gate = {"bar": bar, "exact": exact["samples"], "max_drop": max_drop}
+        served = serve_vllm(*m, params, maps, cfg, gate)
+        ruler, promote = served["ruler"], served["promoted"]
+        tt = Timing.of(served["ttft"]) if served["ttft"] else bound(m, params, cfg)
     else:
         ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
-        tt = measure_ttft(*m, params, maps, cfg)
-        promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup)
+        if objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed):
+            tt, promote = bound(m, params, cfg), False  # infeasible whatever its speed: not timed
+        else:
+            tt = measure_ttft(*m, params, maps, cfg)
+            promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup)
         if promote:
             ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
-    ev = evaluate(*m, params, maps, exact, cfg, ruler)
+    ev = evaluate(*m, params, maps, exact, cfg, ruler, nll=tt.measured)  # no dNLL either for a trial out of reach
     ci = ev.ruler_ci | {"promoted": promote}  # n says how many pairs the constraint judged
-    return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci)
+    return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci, tt.measured)
+
+
+def bound(m: tuple, params: Params, cfg: Study) -> Timing:
+    """An infeasible trial's speed-up: the FLOP bound at the TTFT lengths, recorded as not measured."""
+    return Timing.bound(shared_model(*m)[0].config, params, cfg.objectives.ttft.lengths)

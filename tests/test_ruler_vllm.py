@@ -112,7 +112,7 @@ def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, 
     s = setup
     params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
     plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
-    promote = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": baseline[0]["samples"]}  # any trial clears it
+    promote = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": baseline[0]["samples"], "max_drop": 100.0}
     res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, promote))  # one engine
     assert out["ridgefill_active"] is True and res["promoted"] is True
     rows = out["ruler"]["samples"]
@@ -127,3 +127,18 @@ def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, 
     ttft = res["ttft"]["512"]
     assert ttft["tokens"] == 512 and len(ttft["exact_s"]) == len(ttft["fill_s"]) == 1
     assert math.isfinite(objectives.ttft_speedup(res["ttft"])) and objectives.ttft_speedup(res["ttft"]) > 0
+
+
+def test_a_trial_engine_skips_ttft_when_the_trial_cannot_pass(setup, cfg, baseline, monkeypatch):
+    """The job's gate, as on transformers: against an exact side scored 100 everywhere the trial's first samples
+    lose beyond a limit of 1 point, so the engine measures no TTFT and promotes nothing."""
+    s = setup
+    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
+    perfect = [r | {"score": 100.0} for r in baseline[0]["samples"]]
+    first = [r["score"] for r in s["ref"]["samples"] if r["plan"] == "ridge" and r["index"] < 2]
+    assert sum(first) / len(first) < 90.0  # the ridge plan's first samples (transformers) lose beyond the limit
+    gate = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": perfect, "max_drop": 1.0}
+    res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, gate))
+    assert out["ridgefill_active"] is True and "ttft" not in out and res["ttft"] is None
+    assert res["promoted"] is False and sorted({r["index"] for r in res["ruler"]["samples"]}) == [0, 1]

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 
 from ridgefill import maps as maps_mod
@@ -182,3 +183,68 @@ def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_
         _, fresh = steps.fit_report(model, tokenizer, cap, 2, lam, solver)  # its own pass
         assert ms.manifest["fit"]["heldout"] == fresh["heldout"] and ms.manifest["fit"]["heldout_windows"] == 2
     assert fits[0].manifest["fit"]["heldout"] != fits[1].manifest["fit"]["heldout"]
+
+
+def test_the_gate_that_skips_ttft_judges_the_constraint_itself():
+    """`cannot_pass`: true only when the first samples' mean *and* the CI lower bound the constraint judges are
+    below the limit (such a trial is neither promoted nor feasible, whatever its speed)."""
+    from ridgefill.evals.paired import cannot_pass
+
+    exact = [
+        {"plan": "exact", "task": t, "length": 512, "index": i, "score": 100.0} for t in ("a", "b") for i in (0, 1)
+    ]
+    one_lost = [r | {"plan": "trial", "score": 0.0 if (r["task"], r["index"]) == ("b", 0) else 100.0} for r in exact]
+    assert cannot_pass(one_lost + exact, "trial", 20.0)  # mean -25 < -20: its bound is lower still
+    assert not cannot_pass(one_lost + exact, "trial", 25.0)  # the mean on the limit: it could be promoted
+    assert not cannot_pass(one_lost + exact, "trial", 30.0)
+    same = [r | {"plan": "trial"} for r in exact]
+    assert not cannot_pass(same + exact, "trial", 0.0)  # no loss passes a zero limit
+    assert not cannot_pass(exact, "trial", 0.0)  # nothing paired: nothing decided
+
+
+def test_a_trial_that_cannot_pass_is_not_timed(tokenizer, tiny_models, tmp_path, monkeypatch):
+    """Multi-fidelity for TTFT: against an exact side that scores 100 on every sample, the tiny model's trial
+    loses 100 points; with a limit of 50 its TTFT is never measured (the speed-up Optuna gets is the FLOP bound,
+    recorded as not measured: None in DuckDB, "not timed" in its progress line), nor its dNLL; with a limit of
+    100 it is."""
+    from ridgefill import report, search
+    from ridgefill.flops import speedup_bound
+
+    model = tiny_models["llama"]
+    text = tmp_path / "c.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
+    cap = steps.run_capture(model, tokenizer, str(text), [3], window=64, max_windows=4, heldout=1,
+                            root=tmp_path, progress=False)  # fmt: skip
+    monkeypatch.setattr(trial_tasks, "shared_model", lambda *a: (model, tokenizer))
+    timed = []
+    for name in ("fit", "measure_ruler", "evaluate", "measure_ttft"):
+        fn = getattr(trial_tasks, name).fn
+        wrapped = (lambda f: lambda *a: timed.append(1) or f(*a))(fn) if name == "measure_ttft" else fn
+        monkeypatch.setattr(trial_tasks, name, wrapped)
+    params = Params(split=3, lam=1e-2, tail=16, share=0.0, sink=4)
+    ctx = trial_tasks.TrialContext(str(tmp_path / "model"), str(cap.path), str(tmp_path / "maps"))
+
+    nll = {"lengths": [128], "documents": 1, "scored": 32}
+    small = SMALL | {"objectives": SMALL["objectives"] | {"nll": nll}}
+    cfg = load_study(STUDY, small | {"constraints": {"max_ruler_drop": 50.0}})
+    exact = objectives.exact_baseline(model, tokenizer, cfg.objectives.ruler)
+    perfect = {"scores": exact["scores"], "samples": [r | {"score": 100.0} for r in exact["samples"]]}
+    trial_rows = objectives.run_ruler_plan(model, tokenizer, FillPlan(), cfg.objectives.ruler)["samples"]
+    assert all(r["score"] == 0.0 for r in trial_rows)  # the random tiny model answers nothing
+    out = trial_tasks.run_trial.fn(0, params, ctx, perfect, cfg)
+    assert timed == [] and out.speedup_measured is False and out.ruler_delta == -100.0 and out.dnll is None
+    assert out.speedup == pytest.approx(speedup_bound(model.config, 256, 3, 4 + 16))
+    assert ("ttft", "trial", "speedup_bound", 256, "all", out.speedup, 0) in out.metrics
+
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    trial = study.ask()
+    trial.set_user_attr("params", params.as_dict())
+    search.finish(study, trial, out, 50.0, 0.0)
+    frozen = study.trials[0]
+    assert search.record_of("s", frozen, 50.0).speedup is None and not search.feasible(frozen, 50.0)
+    assert "| speed-up not timed |" in report.progress_line(frozen, 1, 1, 50.0)
+    assert "| -100.00 | [-100.0, -100.0] (1) | - |" in report.table([frozen], None, 50.0)
+
+    cfg = load_study(STUDY, small | {"constraints": {"max_ruler_drop": 100.0}})  # -100 is on the limit: timed
+    out = trial_tasks.run_trial.fn(1, params, ctx, perfect, cfg)
+    assert timed == [1] and out.speedup_measured is True and out.dnll is not None

@@ -162,6 +162,19 @@ def mean_delta(rows: Iterable[Mapping], plan: str, reference: str = "exact") -> 
     return float(np.mean([(p - e).mean() for p, e in cells.values()])) if cells else None
 
 
+def cannot_pass(rows: Iterable[Mapping], plan: str, max_drop: float, seed: int = 0) -> bool:
+    """Whether `plan`'s first samples already lose more than `max_drop` points against exact on average *and*
+    on the CI lower bound the constraint judges (bootstrap with `seed`, as the trial's own): such a trial is
+    not promoted (its mean is below the bar) and fails the constraint whatever its speed, so the tuner does
+    not measure its TTFT or dNLL (multi-fidelity: the seconds go to trials that can pass)."""
+    rows = list(rows)
+    mean = mean_delta(rows, plan)
+    if mean is None or mean >= -max_drop:
+        return False
+    cells = pair(rows, plan)
+    return bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed).lo < -max_drop - 1e-9
+
+
 def clears(bar: Mapping[str, float], mean: float, speedup: float) -> bool:
     """Whether a trial's cheap first look clears a promotion bar {"mean", "speedup"} (multi-fidelity)."""
     return mean >= bar["mean"] and speedup >= bar["speedup"]

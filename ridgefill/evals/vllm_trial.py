@@ -62,15 +62,30 @@ def run_job(job: dict) -> dict:
             ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler.get("first", 0),
         )  # fmt: skip
         out["seconds"]["ruler"] = time.perf_counter() - t
-    if job.get("ttft"):
+    if job.get("ttft") and not _cannot_pass(job, out):
         out["ttft"] = _ttft(llm, job["ttft"])
         out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
-    if job.get("promote") and ruler and job.get("ttft"):
-        _promote(llm, tok, hay, ruler, job["promote"], out)
+    if job.get("promote") and ruler and out.get("ttft"):
+        _promote(llm, tok, hay, ruler, job["promote"], job["exact"], out)
     return out
 
 
-def _promote(llm, tok, hay, ruler: dict, promote: dict, out: dict) -> None:
+def _trial_rows(out: dict, exact: list[dict]) -> list[dict]:
+    return [r | {"plan": "trial"} for r in out["ruler"]["samples"] if r["plan"] == "p"] + exact
+
+
+def _cannot_pass(job: dict, out: dict) -> bool:
+    """The job's `gate`: a trial whose first samples already fail the constraint (`paired.cannot_pass`) skips
+    its TTFT, as on transformers (`tasks.trial.run_trial`)."""
+    from ridgefill.evals.paired import cannot_pass
+
+    gate = job.get("gate")
+    if not gate or "ruler" not in out:
+        return False
+    return cannot_pass(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
+
+
+def _promote(llm, tok, hay, ruler: dict, promote: dict, exact: list[dict], out: dict) -> None:
     """Multi-fidelity on the same engine: when the first samples (paired against the exact rows given) and
     the speed-up clear the bar, score the plan on samples up to `promote["samples"]` and add them."""
     from ridgefill.evals.paired import clears, mean_delta
@@ -79,7 +94,7 @@ def _promote(llm, tok, hay, ruler: dict, promote: dict, out: dict) -> None:
     from ridgefill.evals.ttft import speedup_over_lengths
 
     rows = out["ruler"]["samples"]
-    mean = mean_delta([r | {"plan": "trial"} for r in rows] + promote["exact"], "trial")
+    mean = mean_delta(_trial_rows(out, exact), "trial")
     out["promoted"] = mean is not None and clears(promote["bar"], mean, speedup_over_lengths(out["ttft"]))
     if not out["promoted"]:
         return
