@@ -377,6 +377,19 @@ def cannot_pass(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop
     return below(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial", max_drop, seed)
 
 
+def fails(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:
+    """Whether the trial's samples (all it scored: the constraint's judgement) fail the constraint."""
+    from ridgefill.evals.paired import fails as judged
+
+    return judged(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial", max_drop, seed)
+
+
+def needs_speed(bar: dict | None) -> bool:
+    """Whether promotion waits for the trial's speed-up (a feasible front exists); else the promoted samples
+    come first and a trial that then fails is not timed."""
+    return bar is not None and bar["speedup"] > 0
+
+
 def evaluate_plan(
     model, tokenizer, plan, exact: dict, cfg: Study, ruler: dict | None = None, nll: bool = True
 ) -> Evaluation:

@@ -5,7 +5,8 @@ settings, engine and inputs).
 Multi-fidelity (`objectives.ruler.promote`): every trial scores `samples` per task; one whose paired mean is
 within the limit and whose speed-up could join the front (`TrialContext.front`, the best feasible speed-up when
 it started) scores up to `promote`, and its constraint is judged on the CI of all its samples. One whose first
-samples already fail the constraint (`objectives.cannot_pass`) is not timed: no speed-up could make it feasible."""
+samples already fail the constraint (`objectives.cannot_pass`) is not timed: no speed-up could make it feasible;
+nor is one that fails it on all its samples, when promotion did not need its speed-up (no feasible front yet)."""
 
 from __future__ import annotations
 
@@ -120,13 +121,18 @@ def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: 
         tt = Timing.of(served["ttft"]) if served["ttft"] else bound(m, params, cfg)
     else:
         ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
+        tt, promote = None, False
         if objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed):
-            tt, promote = bound(m, params, cfg), False  # infeasible whatever its speed: not timed
+            tt = bound(m, params, cfg)  # infeasible whatever its speed: not timed
         else:
-            tt = measure_ttft(*m, params, maps, cfg)
-            promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup)
+            if objectives.needs_speed(bar):  # a front exists: promotion asks how fast the trial is
+                tt = measure_ttft(*m, params, maps, cfg)
+            promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup if tt else 0.0)
         if promote:
             ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
+        if tt is None:  # timed only when it passes on every sample it scored
+            fail = objectives.fails(ruler["samples"], exact["samples"], max_drop, r.seed)
+            tt = bound(m, params, cfg) if fail else measure_ttft(*m, params, maps, cfg)
     ev = evaluate(*m, params, maps, exact, cfg, ruler, nll=tt.measured)  # no dNLL either for a trial out of reach
     ci = ev.ruler_ci | {"promoted": promote}  # n says how many pairs the constraint judged
     return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci, tt.measured)

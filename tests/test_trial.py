@@ -136,6 +136,19 @@ def test_a_trial_near_the_front_is_promoted_to_more_samples(tokenizer, tiny_mode
     out = trial_tasks.run_trial.fn(1, params, far, exact, cfg)
     assert calls == [(0, 1)] and out.ruler_ci["n"] == 2 * 1 and out.ruler_ci["promoted"] is False
 
+    # no front yet: promotion needs no speed-up, so the promoted samples come first; against an exact side that
+    # scores 100 on sample 1 only, the trial (which answers nothing) is promoted on sample 0 (delta 0) and then
+    # fails on all 3 (mean -33 within a limit of 50, CI lower bound -100): it is not timed
+    calls.clear()
+    timed = []
+    ttft = trial_tasks.measure_ttft  # the plain function (patched above)
+    monkeypatch.setattr(trial_tasks, "measure_ttft", lambda *a: timed.append(1) or ttft(*a))
+    one = {"scores": exact["scores"], "samples": [r | {"score": 100.0 * (r["index"] == 1)} for r in exact["samples"]]}
+    strict = load_study(STUDY, small | {"constraints": {"max_ruler_drop": 50.0}})
+    out = trial_tasks.run_trial.fn(2, params, ctx, one, strict)
+    assert calls == [(0, 1), (1, 3)] and out.ruler_ci["promoted"] is True and out.ruler_ci["lo"] < -50
+    assert timed == [] and out.speedup_measured is False and out.ruler_delta > -50
+
 
 def test_promotion_rule():
     """Promoted: within the limit on the paired mean, and no feasible trial yet or within 2% of the best

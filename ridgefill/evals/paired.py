@@ -169,9 +169,15 @@ def cannot_pass(rows: Iterable[Mapping], plan: str, max_drop: float, seed: int =
     not measure its TTFT or dNLL (multi-fidelity: the seconds go to trials that can pass)."""
     rows = list(rows)
     mean = mean_delta(rows, plan)
-    if mean is None or mean >= -max_drop:
-        return False
+    return mean is not None and mean < -max_drop and fails(rows, plan, max_drop, seed)
+
+
+def fails(rows: Iterable[Mapping], plan: str, max_drop: float, seed: int = 0) -> bool:
+    """Whether `plan`'s paired samples fail the constraint: their 95% CI lower bound (bootstrap with `seed`, as
+    the trial's own) is below -max_drop (a bound on the limit passes, as `search.feasible` judges)."""
     cells = pair(rows, plan)
+    if not cells:
+        return False
     return bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed).lo < -max_drop - 1e-9
 
 

@@ -62,11 +62,18 @@ def run_job(job: dict) -> dict:
             ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler.get("first", 0),
         )  # fmt: skip
         out["seconds"]["ruler"] = time.perf_counter() - t
-    if job.get("ttft") and not _cannot_pass(job, out):
-        out["ttft"] = _ttft(llm, job["ttft"])
-        out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
-    if job.get("promote") and ruler and out.get("ttft"):
-        _promote(llm, tok, hay, ruler, job["promote"], job["exact"], out)
+    if not job.get("ttft") or _cannot_pass(job, out):
+        return out
+    promote = job.get("promote") if ruler else None
+    speed_decides = promote is not None and promote["bar"]["speedup"] > 0  # a front exists (`needs_speed`)
+    if promote is not None and not speed_decides:
+        _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=0.0)
+    if not speed_decides and _fails(job, out):  # fails on every sample it scored: not timed, as on transformers
+        return out
+    out["ttft"] = _ttft(llm, job["ttft"])
+    out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
+    if speed_decides:
+        _promote(llm, tok, hay, ruler, promote, job["exact"], out)
     return out
 
 
@@ -85,9 +92,20 @@ def _cannot_pass(job: dict, out: dict) -> bool:
     return cannot_pass(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
 
 
-def _promote(llm, tok, hay, ruler: dict, promote: dict, exact: list[dict], out: dict) -> None:
+def _fails(job: dict, out: dict) -> bool:
+    """The job's `gate` on every sample scored: the constraint fails (`paired.fails`)."""
+    from ridgefill.evals.paired import fails
+
+    gate = job.get("gate")
+    return bool(gate) and fails(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
+
+
+def _promote(
+    llm, tok, hay, ruler: dict, promote: dict, exact: list[dict], out: dict, speedup: float | None = None
+) -> None:
     """Multi-fidelity on the same engine: when the first samples (paired against the exact rows given) and
-    the speed-up clear the bar, score the plan on samples up to `promote["samples"]` and add them."""
+    the speed-up (`speedup`, else the measured TTFT's) clear the bar, score the plan on samples up to
+    `promote["samples"]` and add them."""
     from ridgefill.evals.paired import clears, mean_delta
     from ridgefill.evals.ruler_run import aggregate
     from ridgefill.evals.ruler_vllm import run_ruler_vllm
@@ -95,7 +113,8 @@ def _promote(llm, tok, hay, ruler: dict, promote: dict, exact: list[dict], out: 
 
     rows = out["ruler"]["samples"]
     mean = mean_delta(_trial_rows(out, exact), "trial")
-    out["promoted"] = mean is not None and clears(promote["bar"], mean, speedup_over_lengths(out["ttft"]))
+    up = speedup_over_lengths(out["ttft"]) if speedup is None else speedup
+    out["promoted"] = mean is not None and clears(promote["bar"], mean, up)
     if not out["promoted"]:
         return
     t = time.perf_counter()
