@@ -343,7 +343,8 @@ class Evaluation:
 @dataclass
 class Timing:
     """A trial's paired TTFT: the geometric-mean speed-up and metric rows; `measured` False: not timed (the
-    trial cannot pass, `cannot_pass`), `speedup` is then the FLOP bound, which only Optuna sees."""
+    trial failed the constraint first: `cannot_pass`, `fails`), `speedup` is then the FLOP bound, which only
+    Optuna sees."""
 
     speedup: float
     rows: list[tuple]
@@ -374,20 +375,18 @@ def cannot_pass(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop
     mean and CI lower bound below -max_drop): its TTFT is then not measured (`Timing.bound`)."""
     from ridgefill.evals.paired import cannot_pass as below
 
-    return below(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial", max_drop, seed)
+    return below(_paired_rows(trial_rows, exact_rows), "trial", max_drop, seed)
 
 
 def fails(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:
     """Whether the trial's samples (all it scored: the constraint's judgement) fail the constraint."""
     from ridgefill.evals.paired import fails as judged
 
-    return judged(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial", max_drop, seed)
+    return judged(_paired_rows(trial_rows, exact_rows), "trial", max_drop, seed)
 
 
-def needs_speed(bar: dict | None) -> bool:
-    """Whether promotion waits for the trial's speed-up (a feasible front exists); else the promoted samples
-    come first and a trial that then fails is not timed."""
-    return bar is not None and bar["speedup"] > 0
+def _paired_rows(trial_rows: Sequence[dict], exact_rows: Sequence[dict]) -> list[dict]:
+    return sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows)
 
 
 def evaluate_plan(

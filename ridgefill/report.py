@@ -42,7 +42,7 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     lines = [
         f"Constraint: the 95% CI lower bound of the paired RULER delta >= -{max_drop:g} points. "
         "`*` Pareto front, `**` chosen, `+` promoted (scored on more samples: it could join the front); "
-        "speed-up `-`: not timed (its first samples already failed the constraint).",
+        "speed-up `-`: not timed (it failed the constraint before its speed-up could matter).",
         "",
         "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | dNLL | feasible | |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -94,16 +94,16 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     fr = front(done, max_drop)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    done = [t for t in done if measured_speedup(t) is not None]  # not timed: no point on the speed axis
-    ok = [t for t in done if feasible(t, max_drop)]
-    bad = [t for t in done if not feasible(t, max_drop)]
+    timed = [t for t in done if measured_speedup(t) is not None]  # not timed: no point on the speed axis
+    ok = [t for t in timed if feasible(t, max_drop)]
+    bad = [t for t in timed if not feasible(t, max_drop)]
     ax.scatter([t.values[1] for t in ok], [t.values[0] for t in ok], c="tab:blue", label="feasible")
     ax.scatter([t.values[1] for t in bad], [t.values[0] for t in bad], c="tab:gray", marker="x", label="infeasible")
     ax.plot([t.values[1] for t in fr], [t.values[0] for t in fr], "o-", c="tab:orange", label="Pareto front")
     if chosen is not None:
         ax.scatter([chosen.values[1]], [chosen.values[0]], s=200, facecolors="none", edgecolors="red", label="chosen")
     ax.axhline(-max_drop, ls="--", c="red", lw=1, label=f"max drop {max_drop:g}")
-    for t in done:
+    for t in timed:
         ax.annotate(str(t.number), (t.values[1], t.values[0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("TTFT speed-up vs exact (x)")
     ax.set_ylabel("RULER delta vs exact (points)")

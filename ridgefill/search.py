@@ -27,6 +27,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from ridgefill.evals.paired import within
 from ridgefill.results import Recorder, TrialRecord
 from ridgefill.rows import ROWS
 from ridgefill.study import Search, Study
@@ -60,7 +61,7 @@ class Outcome:
     map_path: str | None = None
     metrics: list[tuple] = field(default_factory=list)  # (kind, plan, task, length, region, value, n)
     ruler_ci: dict | None = None  # {"lo", "hi", "n"} of the paired delta's 95% CI; None: judged on the mean
-    speedup_measured: bool = True  # False: not timed (infeasible on its first samples); `speedup` is the FLOP bound
+    speedup_measured: bool = True  # False: not timed (it failed the constraint first); `speedup` is the FLOP bound
 
 
 Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
@@ -298,7 +299,7 @@ def feasible(t: FrozenTrial, max_drop: float) -> bool:
     day): the paired delta's CI lower bound is >= -max_drop."""
     if t.state != TrialState.COMPLETE:
         return False
-    return ruler_low(t.values[0], t.user_attrs.get("ruler_ci")) >= -max_drop - 1e-12  # on the limit passes
+    return within(ruler_low(t.values[0], t.user_attrs.get("ruler_ci")), max_drop)
 
 
 def best_feasible_speedup(study: optuna.Study, max_drop: float) -> float | None:

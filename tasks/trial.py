@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ridgefill import objectives
+from ridgefill.evals.paired import needs_speed
 from ridgefill.maps import MapSet
 from ridgefill.objectives import Evaluation, Timing
 from ridgefill.search import Outcome, Params
@@ -125,7 +126,7 @@ def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: 
         if objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed):
             tt = bound(m, params, cfg)  # infeasible whatever its speed: not timed
         else:
-            if objectives.needs_speed(bar):  # a front exists: promotion asks how fast the trial is
+            if needs_speed(bar):  # a front exists: promotion asks how fast the trial is
                 tt = measure_ttft(*m, params, maps, cfg)
             promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup if tt else 0.0)
         if promote:

@@ -178,9 +178,20 @@ def fails(rows: Iterable[Mapping], plan: str, max_drop: float, seed: int = 0) ->
     cells = pair(rows, plan)
     if not cells:
         return False
-    return bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed).lo < -max_drop - 1e-9
+    return not within(bootstrap_mean_of_tasks([p - e for p, e in cells.values()], seed=seed).lo, max_drop)
+
+
+def within(low: float, max_drop: float) -> bool:
+    """The constraint on a paired delta's CI lower bound (or mean): at least -max_drop; on the limit passes."""
+    return low >= -max_drop - 1e-12
 
 
 def clears(bar: Mapping[str, float], mean: float, speedup: float) -> bool:
     """Whether a trial's cheap first look clears a promotion bar {"mean", "speedup"} (multi-fidelity)."""
     return mean >= bar["mean"] and speedup >= bar["speedup"]
+
+
+def needs_speed(bar: Mapping[str, float] | None) -> bool:
+    """Whether promotion waits for the trial's speed-up (a feasible front exists); else the promoted samples
+    come first, and a trial that then fails the constraint is not timed."""
+    return bar is not None and bar["speedup"] > 0

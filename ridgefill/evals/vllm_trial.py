@@ -62,13 +62,15 @@ def run_job(job: dict) -> dict:
             ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler.get("first", 0),
         )  # fmt: skip
         out["seconds"]["ruler"] = time.perf_counter() - t
-    if not job.get("ttft") or _cannot_pass(job, out):
+    from ridgefill.evals.paired import cannot_pass, fails, needs_speed
+
+    if not job.get("ttft") or _gate(job, out, cannot_pass):
         return out
     promote = job.get("promote") if ruler else None
-    speed_decides = promote is not None and promote["bar"]["speedup"] > 0  # a front exists (`needs_speed`)
+    speed_decides = promote is not None and needs_speed(promote["bar"])
     if promote is not None and not speed_decides:
         _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=0.0)
-    if not speed_decides and _fails(job, out):  # fails on every sample it scored: not timed, as on transformers
+    if not speed_decides and _gate(job, out, fails):  # fails on every sample it scored: not timed, as on transformers
         return out
     out["ttft"] = _ttft(llm, job["ttft"])
     out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
@@ -81,23 +83,13 @@ def _trial_rows(out: dict, exact: list[dict]) -> list[dict]:
     return [r | {"plan": "trial"} for r in out["ruler"]["samples"] if r["plan"] == "p"] + exact
 
 
-def _cannot_pass(job: dict, out: dict) -> bool:
-    """The job's `gate`: a trial whose first samples already fail the constraint (`paired.cannot_pass`) skips
-    its TTFT, as on transformers (`tasks.trial.run_trial`)."""
-    from ridgefill.evals.paired import cannot_pass
-
+def _gate(job: dict, out: dict, test) -> bool:
+    """The job's `gate` ({"max_drop", "seed"}) on the samples scored so far: `test` is `paired.cannot_pass` (the
+    first samples) or `paired.fails` (all of them); True skips the TTFT, as on transformers (`tasks.trial`)."""
     gate = job.get("gate")
     if not gate or "ruler" not in out:
         return False
-    return cannot_pass(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
-
-
-def _fails(job: dict, out: dict) -> bool:
-    """The job's `gate` on every sample scored: the constraint fails (`paired.fails`)."""
-    from ridgefill.evals.paired import fails
-
-    gate = job.get("gate")
-    return bool(gate) and fails(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
+    return test(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
 
 
 def _promote(
