@@ -258,7 +258,8 @@ def hub_snapshot(repo: str, revision: str) -> tuple[str, str]:
     from huggingface_hub import model_info, snapshot_download
 
     sha = model_info(repo, revision=revision).sha or revision
-    path = snapshot_download(repo, revision=sha, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+    files = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"]  # chat_template.jinja: the template
+    path = snapshot_download(repo, revision=sha, allow_patterns=files)
     return path, sha
 
 

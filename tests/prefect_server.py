@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -42,20 +44,22 @@ def cli(env: dict, *args: str, timeout: int = 120) -> subprocess.CompletedProces
     return out
 
 
-@pytest.fixture
-def prefect_server(tmp_path):
+@contextlib.contextmanager
+def running_server(home: Path) -> Iterator[dict]:
+    """A real Prefect server on a free loopback port, its state under `home`; yields the environment that
+    points a client (or a worker) at it."""
     port = _free_port()
     env = os.environ | {
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "OMP_NUM_THREADS": "1",
         "PWD": str(ROOT),  # prefect.yaml's pull step records the checkout through $PWD
-        "RIDGEFILL_WORK": str(tmp_path / "work"),
+        "RIDGEFILL_WORK": str(home / "work"),
     }
-    log = open(tmp_path / "server.log", "w")
+    log = open(home / "server.log", "w")
     cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--analytics-off"]
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -66,10 +70,16 @@ def prefect_server(tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the Prefect server did not become healthy in 120 s"
             time.sleep(0.5)
         yield env
     finally:
         stop(server)
         log.close()
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    with running_server(tmp_path) as env:
+        yield env

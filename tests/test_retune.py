@@ -5,14 +5,16 @@ huggingface_hub client), and the flow itself against a real Prefect server: a mo
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from flows.retune import changed, hub_commit, retune
 from ridgefill.study import load_study
+from tests.hub_standin import HubStandIn, serve
 from tests.prefect_server import prefect_server  # noqa: F401  (the fixture)
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
@@ -22,30 +24,11 @@ QWEN, LLAMA = "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct"
 
 @pytest.fixture
 def hub(hub_online):
-    """The Hub's `GET /api/models/{repo}/revision/{revision}` on loopback; `hub.shas` is what it answers
-    (online mode only for this stand-in: `hub_online`)."""
-    shas = {QWEN: "a" * 40, LLAMA: "b" * 40}
-    asked = []
-
-    class Hub(BaseHTTPRequestHandler):
-        def do_GET(self):
-            parts = self.path.split("?")[0].split("/")
-            repo = "/".join(parts[3:5])
-            asked.append((repo, parts[6]))
-            body = json.dumps({"id": repo, "modelId": repo, "sha": shas[repo], "siblings": []}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    server.url, server.shas, server.asked = f"http://127.0.0.1:{server.server_port}", shas, asked
-    yield server
+    """The Hub's `model_info` on loopback (`tests.hub_standin`); `hub.shas` is what it answers (online mode
+    only for this stand-in: `hub_online`)."""
+    hub = HubStandIn({QWEN: "a" * 40, LLAMA: "b" * 40})
+    server = serve(hub)
+    yield hub
     server.shutdown()
 
 
@@ -100,3 +83,37 @@ def test_retune_triggers_the_deployment_and_a_dry_run_saves_nothing(prefect_serv
         assert triggered.parameters == {"study": studies[1]} and triggered.state.type.value == "SCHEDULED"
         assert json.loads(state.read_text())[f"{QWEN}@main"] == "c" * 40
         assert retune(studies, str(state), hub.url) == [] and len(tune_runs()) == 1  # seen: not triggered again
+
+
+def test_a_hub_study_downloads_its_release_with_its_chat_template(hub_online, tokenizer, tmp_path):
+    """`steps.hub_snapshot`, in a fresh process pointed at the stand-in as a user's would be: the commit the
+    revision names now, the files byte for byte (the chat template included), a new release in a new folder."""
+    from tests.conftest import tiny_model
+
+    repo, folder = "ridge-org/tiny-llama", tmp_path / "release"
+    tiny_model("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").is_file()
+    hub = HubStandIn({repo: "d" * 40}, {repo: folder})
+    server = serve(hub)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0"}
+    env |= {"HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    code = f"from ridgefill.steps import hub_snapshot; print(*hub_snapshot({repo!r}, 'main'))"
+
+    def download() -> tuple[Path, str]:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        path, sha = done.stdout.split()
+        return Path(path), sha
+
+    try:
+        path, sha = download()
+        assert sha == "d" * 40 and path.name == sha
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+            assert (path / name).read_bytes() == (folder / name).read_bytes(), name
+        hub.shas[repo] = "e" * 40  # a new release (the same files under a new commit)
+        path2, sha2 = download()
+        assert sha2 == "e" * 40 and path2 != path and (path2 / "chat_template.jinja").is_file()
+    finally:
+        server.shutdown()
