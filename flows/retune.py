@@ -66,6 +66,8 @@ def retune(
     cfgs = [load_study(p if p.is_absolute() or p.is_file() else ROOT / p) for p in paths]
     state_file = Path(state) if state else settings.retune_state() or cache_root() / "retune.json"
     seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    hosted = [c.name for c in cfgs if not c.model.local]
+    log.info("checking %d Hub-hosted studies (%s) against %s", len(hosted), ", ".join(hosted) or "none", state_file)
     moved, now = check(cfgs, seen, endpoint, first_is_new)
     runs = []
     for cfg, old, sha in moved:
@@ -75,10 +77,14 @@ def retune(
         if trigger:
             run = run_deployment(f"tune/{cfg.name}", parameters={"study": path}, timeout=0)
             run_id = str(run.id)
+            log.info("%s: triggered tune/%s (flow run %s, %s)", cfg.name, cfg.name, run.name, run_id)
         runs.append({"study": cfg.name, "repo": cfg.model.repo, "old": old, "new": sha, "flow_run": run_id})
+    if not moved:
+        log.info("no study's model moved: nothing to tune")
     if trigger:  # a dry run reports and remembers nothing, so the real run still sees the change
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.write_text(json.dumps(now, indent=2, sort_keys=True) + "\n")
+        log.info("remembered %d commits in %s", len(now), state_file)
     return runs
 
 
