@@ -37,7 +37,7 @@ from tests.hub_standin import HubStandIn, serve  # noqa: E402
 from tests.prefect_server import PREFECT, cli, running_server, stop  # noqa: E402
 
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
-MARKS = ("[1/", "[2/", "[3/", "[4/", "trial ", "[5/", "[6/", "[7/", "pulled back and served")
+MARKS = ("[1/", "[2/", "[3/", "[4/", "trial ", "[5/", "[6/", "certification ", "[7/", "pulled back and served")
 
 
 def hub_study(out: Path, trials: int, max_drop: float) -> Path:
