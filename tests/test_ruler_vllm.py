@@ -142,3 +142,19 @@ def test_a_trial_engine_skips_ttft_when_the_trial_cannot_pass(setup, cfg, baseli
     res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, gate))
     assert out["ridgefill_active"] is True and "ttft" not in out and res["ttft"] is None
     assert res["promoted"] is False and sorted({r["index"] for r in res["ruler"]["samples"]}) == [0, 1]
+
+
+def test_a_promoted_trial_engine_that_then_fails_is_not_timed(setup, cfg, baseline, monkeypatch):
+    """The job's second gate, as on transformers: an exact side equal to the trial's own first samples (delta 0:
+    it can pass, no feasible trial yet, so it is promoted before TTFT) and scored 100 on the promoted ones, where
+    the ridge plan loses: on all its samples the trial fails a limit of 1 point, so the engine measures no TTFT."""
+    s = setup
+    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
+    ridge = {(r["task"], r["index"]): r["score"] for r in s["ref"]["samples"] if r["plan"] == "ridge"}
+    assert min(v for (_, i), v in ridge.items() if i == 2) < 100.0  # the promoted samples lose somewhere
+    exact = [r | {"score": ridge[(r["task"], r["index"])] if r["index"] < 2 else 100.0} for r in baseline[0]["samples"]]
+    job = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": exact, "max_drop": 1.0}
+    res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, job))
+    assert res["promoted"] is True and sorted({r["index"] for r in res["ruler"]["samples"]}) == [0, 1, 2]
+    assert "ttft" not in out and res["ttft"] is None
