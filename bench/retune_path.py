@@ -31,7 +31,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from registry import LocalBackend  # noqa: E402
 from ridgefill.default_model import default_model_dir  # noqa: E402
 from tests.hub_standin import HubStandIn, serve  # noqa: E402
 from tests.prefect_server import PREFECT, cli, running_server, stop  # noqa: E402
@@ -48,7 +47,7 @@ def hub_study(out: Path, trials: int, max_drop: float) -> Path:
     cfg["constraints"]["max_ruler_drop"] = max_drop
     cfg["certify"]["max_drop"] = max_drop
     path = out / "studies" / "smollm2-135m.yaml"
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -98,7 +97,7 @@ def main() -> None:
     hub = HubStandIn({REPO: "a" * 40}, {REPO: default_model_dir()})
     server = serve(hub)
     hf_home = out / "hf"
-    hf_home.mkdir()
+    hf_home.mkdir(exist_ok=True)
     (hf_home / ".agent_harnesses.json").write_text('{"standardEnvVars": [], "harnesses": {}}')  # no hf.co lookup
     with running_server(out) as env:
         env = {k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE")}
@@ -124,7 +123,7 @@ def main() -> None:
             log.close()
         lines = stage_lines(env, run["id"])
     server.shutdown()
-    published = LocalBackend(out / "registry").root
+    published = out / "registry"
     print(f"tune run {run['name']}: {run['state']['type']}, {t1 - t0:.0f} s from the nightly trigger to its end")
     print("| s after trigger | stage |\n|---|---|")
     for t, msg in lines:

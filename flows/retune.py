@@ -27,14 +27,17 @@ def hub_commit(repo: str, revision: str, endpoint: str | None = None) -> str:
     return HfApi(endpoint=endpoint or settings.get("HF_ENDPOINT")).model_info(repo, revision=revision).sha
 
 
+def hub_hosted(studies: list[Study]) -> list[Study]:
+    """The studies whose model lives on the Hub (one pinned to local weights cannot move under it)."""
+    return [s for s in studies if not s.model.local]
+
+
 def changed(
     studies: list[Study], seen: dict[str, str], commit: Callable[[str, str], str], first_is_new: bool = False
 ) -> tuple[list[tuple[Study, str | None, str]], dict[str, str]]:
     """Studies whose Hub model moved since `seen` ({repo@revision: sha}); returns them and the updated map."""
     out, now = [], dict(seen)
-    for s in studies:
-        if s.model.local:  # pinned to local weights: the Hub cannot change what it tunes
-            continue
+    for s in hub_hosted(studies):
         key = f"{s.model.repo}@{s.model.revision}"
         sha = commit(s.model.repo, s.model.revision)
         old = seen.get(key)
@@ -66,7 +69,7 @@ def retune(
     cfgs = [load_study(p if p.is_absolute() or p.is_file() else ROOT / p) for p in paths]
     state_file = Path(state) if state else settings.retune_state() or cache_root() / "retune.json"
     seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    hosted = [c.name for c in cfgs if not c.model.local]
+    hosted = [c.name for c in hub_hosted(cfgs)]
     log.info("checking %d Hub-hosted studies (%s) against %s", len(hosted), ", ".join(hosted) or "none", state_file)
     moved, now = check(cfgs, seen, endpoint, first_is_new)
     runs = []

@@ -19,31 +19,45 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+@dataclass(frozen=True)
+class File:
+    data: bytes
+    blob_id: str  # git's id of the bytes: the tree's `oid`
+    sha256: str | None  # LFS files (safetensors) only: the Hub names them by it
+
+    @property
+    def etag(self) -> str:
+        return self.sha256 or self.blob_id
+
+
 @dataclass
 class HubStandIn:
     shas: dict[str, str]
     folders: dict[str, Path] = field(default_factory=dict)
     asked: list[tuple[str, str]] = field(default_factory=list)
     url: str = ""
-    _read: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    _read: dict[str, dict[str, File]] = field(default_factory=dict)
 
-    def files(self, repo: str) -> dict[str, bytes]:
-        """The repo folder's files, read once (a model's weights are asked for several times a download)."""
+    def files(self, repo: str) -> dict[str, File]:
+        """The repo folder's files, read and hashed once (a download asks for a model's weights several times)."""
         if repo not in self._read:
             folder = self.folders.get(repo)
-            self._read[repo] = (
-                {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()} if folder else {}
-            )
+            paths = sorted(p for p in folder.iterdir() if p.is_file()) if folder else []
+            self._read[repo] = {p.name: _file(p.read_bytes(), p.suffix == ".safetensors") for p in paths}
         return self._read[repo]
 
     def tree(self, repo: str) -> list[dict]:
         out = []
-        for name, data in self.files(repo).items():
-            entry = {"type": "file", "path": name, "size": len(data), "oid": git_blob_id(data)}
-            if name.endswith(".safetensors"):  # LFS files: the Hub names them by sha256
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        for name, f in self.files(repo).items():
+            entry = {"type": "file", "path": name, "size": len(f.data), "oid": f.blob_id}
+            if f.sha256:
+                entry["lfs"] = {"oid": f.sha256, "size": len(f.data), "pointerSize": 134}
             out.append(entry)
         return out
+
+
+def _file(data: bytes, lfs: bool) -> File:
+    return File(data, git_blob_id(data), hashlib.sha256(data).hexdigest() if lfs else None)
 
 
 def _handler(hub: HubStandIn):
@@ -72,16 +86,15 @@ def _handler(hub: HubStandIn):
                     return self._send(200, json.dumps(hub.tree(repo)).encode())
             if len(parts) >= 5 and parts[2] == "resolve":
                 repo, name = "/".join(parts[:2]), "/".join(parts[4:])
-                data = hub.files(repo).get(name)
-                if data is None:
+                f = hub.files(repo).get(name)
+                if f is None:
                     return self._send(404, b'{"error": "Entry not found"}')
-                etag = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else git_blob_id(data)
                 headers = {
                     "Content-Type": "application/octet-stream",
-                    "ETag": f'"{etag}"',
+                    "ETag": f'"{f.etag}"',
                     "X-Repo-Commit": hub.shas[repo],
                 }
-                return self._send(200, data, headers, head)
+                return self._send(200, f.data, headers, head)
             self._send(404, json.dumps({"error": f"unexpected {self.path}"}).encode())
 
         def do_GET(self):
