@@ -30,7 +30,15 @@ from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_sa
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
 from ridgefill.rows import ROWS
-from ridgefill.runtime import EarlyPass, FillPlan, Prefill, early_pass, generate, prefill
+from ridgefill.runtime import (
+    EarlyPass,
+    FillPlan,
+    Prefill,
+    early_pass,
+    generate,
+    protected_rows,
+    question_scores,
+)
 from ridgefill.steps import load_model
 
 PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
@@ -48,7 +56,9 @@ def haystack_files(folder: Path) -> list[Path]:
 def make_plans(args, model, tok) -> dict[str, FillPlan]:
     maps = load_maps(args.maps, model, tok)
     base = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail)
-    share = dict(share=args.share, query=args.query, window=args.window, score_layers=args.score_layers)
+    share = dict(
+        share=args.share, query=args.query, window=args.window, score_layers=args.score_layers, reach=args.reach
+    )
     plans = {
         "exact": FillPlan(),
         "identity": FillPlan("identity", split=maps.split, sink=args.sink, tail=args.tail),
@@ -63,7 +73,8 @@ def make_plans(args, model, tok) -> dict[str, FillPlan]:
 def plan_config(plan: FillPlan, engine: str = "transformers") -> dict:
     """What identifies a plan's rows in OUT.jsonl (vLLM rows are paired only with vLLM's exact rows)."""
     keys = ("mode", "split", "sink", "tail", "share", "select", "query", "window", "score_layers")
-    return {k: getattr(plan, k) for k in keys} | ({"engine": engine} if engine != "transformers" else {})
+    reach = {"reach": plan.reach} if plan.reach else {}  # rows scored before reach existed stay paired
+    return {k: getattr(plan, k) for k in keys} | reach | ({"engine": engine} if engine != "transformers" else {})
 
 
 def prompt_key(ids: list[int]) -> str:
@@ -108,6 +119,10 @@ def main() -> None:
     ap.add_argument("--query", type=int, default=32)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--score-layers", type=int, default=3)
+    ap.add_argument(
+        "--reach", type=int, default=0, help="question selector: rows after a scored row that share its score"
+    )
+    ap.add_argument("--grid", nargs="*", default=[], metavar="Q:W:L:R", help="--coverage: question settings to compare")
     ap.add_argument(
         "--cap", nargs="*", default=[], metavar="PLAN=N",
         help="score PLAN on the first N samples of each task only (e.g. identity=10: the costliest plan, since a "
@@ -260,9 +275,22 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
             print(f"{length} {name} on vLLM: {seconds:.0f}s{speed}", flush=True)
 
 
-SELECTOR_GRID = [("rarity", 0, 0, 0), ("random", 0, 0, 0)] + [
-    ("question", q, w, layers) for q in (32, 64) for w in (2, 4, 8) for layers in (3, 6)
+SELECTOR_GRID = [("rarity", 0, 0, 0, 0), ("random", 0, 0, 0, 0)] + [
+    ("question", q, w, layers, 0) for q in (32, 64) for w in (2, 4, 8) for layers in (3, 6)
 ]
+
+
+def selector_grid(specs: list[str]) -> list[tuple]:
+    """The coverage grid: SELECTOR_GRID, or rarity, random and the question settings given as Q:W:LAYERS:REACH."""
+    if not specs:
+        return SELECTOR_GRID
+    try:
+        question = [("question", *(int(v) for v in spec.split(":"))) for spec in specs]
+    except ValueError:
+        raise SystemExit("error: --grid takes QUERY:WINDOW:LAYERS:REACH, e.g. 32:4:3:16") from None
+    if any(len(g) != 5 for g in question):
+        raise SystemExit("error: --grid takes QUERY:WINDOW:LAYERS:REACH, e.g. 32:4:3:16")
+    return SELECTOR_GRID[:2] + question
 
 
 def coverage(args, model, tok, lengths, counts) -> None:
@@ -270,6 +298,7 @@ def coverage(args, model, tok, lengths, counts) -> None:
     maps = load_maps(args.maps, model, tok)
     hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
     tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
+    grid = selector_grid(args.grid)
     rows_path = args.out.with_suffix(".coverage.jsonl")
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     for length, n in zip(lengths, counts, strict=True):
@@ -281,14 +310,16 @@ def coverage(args, model, tok, lengths, counts) -> None:
                     continue
                 ids = torch.tensor([x.input_ids[:-1]])
                 early = early_pass(model, ids, maps.split, 64, 6)
-                for select, q, w, layers in SELECTOR_GRID:
-                    grid = dict(query=q, window=w, score_layers=layers) if select == "question" else {}
+                for select, q, w, layers, reach in grid:
+                    knobs = dict(query=q, window=w, score_layers=layers, reach=reach) if select == "question" else {}
                     plan = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail - 1, share=args.share,
-                                    select=select, **grid)  # fmt: skip
-                    keep = prefill(model, ids, plan, early).protected
+                                    select=select, **knobs)  # fmt: skip
+                    attention = question_scores(model, early, plan) if select == "question" else None
+                    keep = protected_rows(ids, plan, attention)
                     spans = [(s, e) for s, e in x.needle_spans if s < ids.shape[1] - plan.tail]
                     row = {"task": task, "length": length, "index": index, "select": select, "query": q,
-                           "window": w, "score_layers": layers, "share": args.share,
+                           "window": w, "score_layers": layers, "reach": reach, "share": args.share,
+                           "tail": args.tail,
                            "needle_rows": fraction_protected(keep, spans),
                            "whole": [bool(keep[s:e].all()) for s, e in spans]}  # fmt: skip
                     with rows_path.open("a") as f:
@@ -298,17 +329,25 @@ def coverage(args, model, tok, lengths, counts) -> None:
     lines = [
         f"share {args.share}, sink {args.sink}, tail {args.tail}; needles in filled rows only",
         "",
-        "| selector | query | window | layers | prompts | needle rows protected | needles kept whole |",
-        "|---|---|---|---|---|---|---|",
+        "| length | selector | query | window | layers | reach | prompts | needle rows protected "
+        "| needles kept whole |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for select, q, w, layers in SELECTOR_GRID:
-        at = [r for r in rows if (r["select"], r["query"], r["window"], r["score_layers"]) == (select, q, w, layers)]
-        if not at:
-            continue
-        whole = [b for r in at for b in r["whole"]]
-        frac = sum(r["needle_rows"] for r in at) / len(at) * 100
-        label = (select, q, w, layers) if select == "question" else (select, "-", "-", "-")
-        lines.append("| {} | {} | {} | {} | ".format(*label) + f"{len(at)} | {frac:.0f}% | {sum(whole)}/{len(whole)} |")
+    for length in lengths:
+        for select, q, w, layers, reach in grid:
+            at = [r for r in rows if r["length"] == length and r["share"] == args.share and r.get("tail") == args.tail
+                  and (r["select"], r["query"], r["window"], r["score_layers"], r.get("reach", 0))
+                  == (select, q, w, layers, reach)]  # fmt: skip
+            if not at:
+                continue
+            whole = [b for r in at for b in r["whole"]]
+            frac = sum(r["needle_rows"] for r in at) / len(at) * 100
+            label = (select, q, w, layers, reach) if select == "question" else (select, "-", "-", "-", "-")
+            lines.append(
+                f"| {length} | "
+                + "{} | {} | {} | {} | {} | ".format(*label)
+                + f"{len(at)} | {frac:.0f}% | {sum(whole)}/{len(whole)} |"
+            )
     md = "\n".join(lines)
     print(md)
     args.out.with_suffix(".coverage.md").write_text(md + "\n")

@@ -177,7 +177,9 @@ Rule: {cert["rule"]}. By needle region: {regions or "-"}.{SMALL if cert["n"] < S
 def body(data: ModelCardData, manifest: dict, results: Mapping, repo_id: str) -> str:
     d = manifest.get("defaults", {})
     question = d.get("select") == "question"
-    chosen = f"the question's attention, pooled +-{RowPolicy.of(d).window} rows" if question else "token rarity"
+    rows = RowPolicy.of(d)
+    reach = f" and {rows.reach} more after" if rows.reach else ""
+    chosen = f"the question's attention, pooled +-{rows.window} rows{reach}" if question else "token rarity"
     return f"""
 # {repo_id.split("/")[-1]}
 

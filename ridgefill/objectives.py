@@ -111,8 +111,9 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
         maps = load_maps(Path(maps), model, tokenizer)
     mode = "ridge" if maps is not None else "identity"
     return FillPlan(
-        mode, params.split, maps, params.sink, params.tail, params.share, select=params.select, window=params.window
-    )
+        mode, params.split, maps, params.sink, params.tail, params.share, select=params.select, window=params.window,
+        reach=params.reach,
+    )  # fmt: skip
 
 
 def run_ruler_plan(
@@ -256,10 +257,10 @@ def vllm_job(
 
 def plugin_options(plan) -> dict:
     """The plan's row policy as the plugin's hf_overrides (`ridgefill_<key>`); the question selector's query rows,
-    pooling window and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
+    pooling window, reach and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
     opts = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
     if plan.select == "question":
-        opts |= {"query": plan.query, "window": plan.window, "score_layers": plan.score_layers}
+        opts |= {"query": plan.query, "window": plan.window, "score_layers": plan.score_layers, "reach": plan.reach}
     return opts
 
 

@@ -70,7 +70,9 @@ def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> st
     p, secs = params_of(t), t.user_attrs.get("seconds") or 0.0
     knobs = (
         f"split {p.get('split')}, lambda {p.get('lam', float('nan')):.3g}, tail {p.get('tail')}, "
-        f"share {p.get('share') or 0.0:.3f}" + (f", window {p['window']}" if p.get("select") == "question" else "")
+        f"share {p.get('share') or 0.0:.3f}"
+        + (f", window {p['window']}" if p.get("select") == "question" else "")
+        + (f", reach {p['reach']}" if p.get("select") == "question" and p.get("reach") else "")
     )
     if t.state != TrialState.COMPLETE:
         why = t.user_attrs.get("error")

@@ -30,8 +30,9 @@ SELECTS: tuple[str, ...] = ("rarity", "question", "random")
 class RowPolicy:
     """Which rows a prompt protects: the first `sink`, the last `tail`, and a `share` of the rest by `select`.
 
-    `query`, `window` and `score_layers` shape the "question" selector: query rows at the end of the prompt,
-    max-pool half-width, and how many exact layers just below the split are summed.
+    `query`, `window`, `reach` and `score_layers` shape the "question" selector: query rows at the end of the
+    prompt, max-pool half-width, how many more rows after a scored row share its score (the value that follows
+    a key the question matches), and how many exact layers just below the split are summed.
     """
 
     sink: int = 4
@@ -41,6 +42,7 @@ class RowPolicy:
     query: int = 32
     window: int = 4
     score_layers: int = 3
+    reach: int = 0
 
     def check(self, prefix: str = "") -> RowPolicy:
         """This policy, or ValueError naming the bad setting as the caller spells it (`prefix`, e.g.
@@ -55,10 +57,10 @@ class RowPolicy:
             )
         if self.select not in SELECTS:
             raise ValueError(f"{p}select must be one of {SELECTS}, got {self.select!r}")
-        if self.query < 1 or self.window < 0 or self.score_layers < 1:
+        if self.query < 1 or self.window < 0 or self.score_layers < 1 or self.reach < 0:
             raise ValueError(
-                f"question rows need {p}query >= 1, {p}window >= 0 and {p}score_layers >= 1, "
-                f"got {self.query}, {self.window} and {self.score_layers}"
+                f"question rows need {p}query >= 1, {p}window >= 0, {p}score_layers >= 1 and {p}reach >= 0, "
+                f"got {self.query}, {self.window}, {self.score_layers} and {self.reach}"
             )
         return self
 
@@ -122,23 +124,27 @@ def random_scores(n: int, seed: int = 0) -> Tensor:
     return torch.rand(n, generator=torch.Generator().manual_seed(seed))
 
 
-def pooled(attention: Tensor, keep: Tensor, window: int) -> Tensor:
-    """Row scores for the "question" selector: attention [n] with `keep` rows zeroed, max-pooled +-window.
+def pooled(attention: Tensor, keep: Tensor, window: int, reach: int = 0) -> Tensor:
+    """Row scores for the "question" selector: attention [n] with `keep` rows zeroed, max-pooled over the
+    rows from `window + reach` before to `window` after.
 
     Zeroing the rows that are protected anyway (sink, question) stops their large self-attention from
-    spilling onto neighbouring bulk rows.
+    spilling onto neighbouring bulk rows. `reach` lets a scored row lend its score to the rows after it:
+    the question matches a fact's key, and the value it must copy follows the key.
     """
     a = attention.float().masked_fill(keep.to(attention.device), 0.0)
-    if window <= 0:
+    if window <= 0 and reach <= 0:
         return a
-    return F.max_pool1d(a[None, None], 2 * window + 1, stride=1, padding=window)[0, 0]
+    padded = F.pad(a[None, None], (window + reach, window))  # attention >= 0, so zero padding never wins
+    return F.max_pool1d(padded, 2 * window + reach + 1, stride=1)[0, 0]
 
 
-def question_mask(attention: Tensor, sink: int, tail: int, share: float, window: int) -> Tensor:
+def question_mask(attention: Tensor, sink: int, tail: int, share: float, window: int, reach: int = 0) -> Tensor:
     """Bool [n] for the "question" selector: sink and tail rows, and the top `share` of the rest by the
-    question's attention [n], max-pooled +-window (both runtimes choose with it)."""
+    question's attention [n], max-pooled over `window + reach` rows before to `window` after (both runtimes
+    choose with it)."""
     keep = edge_rows(attention.shape[-1], sink, tail, attention.device)
-    return protect_top(keep, pooled(attention, keep, window), share)
+    return protect_top(keep, pooled(attention, keep, window, reach), share)
 
 
 def question_attention(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:

@@ -57,6 +57,7 @@ class FillPlan:
     query: int = ROWS.query
     window: int = ROWS.window
     score_layers: int = ROWS.score_layers
+    reach: int = ROWS.reach
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,7 +71,9 @@ class FillPlan:
     @property
     def policy(self) -> RowPolicy:
         """The plan's protected-row policy."""
-        return RowPolicy(self.sink, self.tail, self.share, self.select, self.query, self.window, self.score_layers)
+        return RowPolicy(
+            self.sink, self.tail, self.share, self.select, self.query, self.window, self.score_layers, self.reach
+        )
 
 
 @dataclass
@@ -106,7 +109,7 @@ def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None =
     if plan.select == "question" and plan.share > 0:
         if attention is None:
             raise ValueError("question-aware rows need the early layers' attention; call prefill")
-        return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window)
+        return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window, plan.reach)
     keep = edge_rows(ids.shape[-1], plan.sink, plan.tail, ids.device)
     return keep if plan.share == 0 else protect_top(keep, random_scores(ids.shape[-1]), plan.share)
 
@@ -168,17 +171,7 @@ def _ridgefill(
         cache.update(k, v, idx)  # shared tensors: the cache only ever concatenates onto them
     h, cos, sin = early.hidden, early.cos, early.sin
     if keep is None:
-        attention = torch.zeros(n, device=input_ids.device)
-        for idx in range(plan.split - plan.score_layers, plan.split):
-            h_in = early.inputs_q.get(idx)
-            if h_in is None or h_in.shape[1] < min(plan.query, n):
-                raise ValueError("the early pass kept too few query rows or layers for this plan")
-            h_q = h_in[:, h_in.shape[1] - min(plan.query, n) :]
-            q = h_q.shape[1]
-            attention += _question_attention(
-                ad, ad.layers[idx], h_q, cos[:, n - q :], sin[:, n - q :], early.kv[idx][0]
-            )
-        keep = protected_rows(input_ids, plan, attention)
+        keep = protected_rows(input_ids, plan, question_scores(model, early, plan))
 
     prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
     x_prot, split_bulk = h[:, prot], h[:, bulk]
@@ -198,6 +191,24 @@ def _ridgefill(
         x_prot = ad.attend(layer, x_prot, cos_p, sin_p, k, v, mask_p)
     logits = ad.logits(x_prot[:, -1:])[0, -1]
     return Prefill(cache, logits, keep)
+
+
+@torch.inference_mode()
+def question_scores(model: nn.Module, early: EarlyPass, plan: FillPlan) -> Tensor:
+    """Attention [n] that the prompt's last `plan.query` rows pay each row, summed over heads, query rows and
+    the `plan.score_layers` exact layers below the split (the "question" selector's scores, before pooling)."""
+    ad = adapter_for(model)
+    n = early.input_ids.shape[1]
+    attention = torch.zeros(n, device=early.input_ids.device)
+    for idx in range(plan.split - plan.score_layers, plan.split):
+        h_in = early.inputs_q.get(idx)
+        if h_in is None or h_in.shape[1] < min(plan.query, n):
+            raise ValueError("the early pass kept too few query rows or layers for this plan")
+        h_q = h_in[:, h_in.shape[1] - min(plan.query, n) :]
+        q = h_q.shape[1]
+        cos_q, sin_q = early.cos[:, n - q :], early.sin[:, n - q :]
+        attention += _question_attention(ad, ad.layers[idx], h_q, cos_q, sin_q, early.kv[idx][0])
+    return attention
 
 
 def _question_attention(ad, layer: nn.Module, h_q: Tensor, cos_q: Tensor, sin_q: Tensor, k: Tensor) -> Tensor:

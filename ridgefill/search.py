@@ -46,6 +46,7 @@ class Params:
     sink: int
     select: str = "rarity"  # how the share is chosen (the study's `search.select`)
     window: int = ROWS.window  # the question selector's max-pool half-width (the study's `search.windows`)
+    reach: int = ROWS.reach  # rows after a scored row that share its score (the study's `search.reach`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -173,6 +174,7 @@ def suggest(trial: optuna.Trial, search: Search) -> Params:
         select=search.select,
         window=int(trial.suggest_categorical("window", list(search.windows))) if len(search.windows) > 1 else
         search.windows[0],
+        reach=search.reach,
     )  # fmt: skip
 
 

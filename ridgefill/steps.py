@@ -304,7 +304,7 @@ def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, ou
     cap = load_capture(Path(capture_path))
     defaults = {"tail": params.tail, "sink": params.sink, "share": params.share, "select": params.select}
     if params.select == "question":
-        defaults["window"] = params.window  # vLLM and `serve` pool the question's rows as the trial did
+        defaults |= {"window": params.window, "reach": params.reach}  # vLLM pools the question's rows as the trial did
     held = held_out_for(model, tokenizer, capture_path, params.split)
     solver = solver_for(capture_path, params.split)
     maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver, held=held)

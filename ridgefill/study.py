@@ -68,6 +68,11 @@ class Search(_Strict):
         description="the question selector's max-pool half-widths to search (rows either side of a row the question "
         "attends to that are kept with it, so a whole fact stays exact); written into each map's defaults",
     )
+    reach: Annotated[int, Field(ge=0)] = Field(
+        ROWS.reach,
+        description="the question selector's forward reach: rows after a row the question attends to that share "
+        "its score (the value that follows a key the question matches); written into each map's defaults",
+    )
 
     @field_validator("lam", "share")
     @classmethod

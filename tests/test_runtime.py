@@ -140,6 +140,24 @@ def test_pooled_keeps_a_whole_window_around_the_peak():
     assert chosen.nonzero().squeeze(-1).tolist() == [48, 49, 50, 51, 52]
 
 
+def test_reach_lends_a_peak_to_the_rows_after_it():
+    """The question matches a fact's key; with `reach` the value after the key is kept too, not the rows before."""
+    from ridgefill.rows import edge_rows, pooled, protect_top, question_mask
+
+    attention = torch.full((100,), 0.01)
+    attention[30] = 1.0  # the key the question matches
+    attention[97] = 9.0
+    keep = edge_rows(100, sink=4, tail=5)
+    scores = pooled(attention, keep, window=2, reach=6)
+    chosen = protect_top(keep, scores, share=11 / 91) & ~keep
+    assert chosen.nonzero().squeeze(-1).tolist() == list(range(28, 39))  # 2 before the key, 2 + 6 after
+    assert torch.equal(pooled(attention, keep, window=2, reach=0), pooled(attention, keep, window=2))
+    mask = question_mask(attention, 4, 5, 11 / 91, window=2, reach=6)
+    assert torch.equal(mask, chosen | keep)
+    with pytest.raises(ValueError, match="reach"):
+        FillPlan("identity", split=2, share=0.1, select="question", reach=-1)
+
+
 def test_question_attention_equals_eager_attention(tokenizer, essay_text):
     """The q x n scores equal the last rows of transformers' own attention probabilities."""
     from conftest import tiny_model

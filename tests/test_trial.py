@@ -83,17 +83,20 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
     cfg = load_study(
         STUDY,
         SMALL
-        | {"search": {"splits": [2], "tails": [16], "share": [0.1, 0.3], "select": "question", "windows": [2, 8]}},
-    )
+        | {"search": {"splits": [2], "tails": [16], "share": [0.1, 0.3], "select": "question", "windows": [2, 8],
+                      "reach": 6}},
+    )  # fmt: skip
     params = suggest(optuna.create_study().ask(), cfg.search)
     assert params.select == "question" and 0.1 <= params.share <= 0.3 and params.window in (2, 8)
     assert first_trials(cfg.search, 3)[0]["window"] == 8  # a searched width starts at its middle
     ms = steps.fit_trial(model, tokenizer, str(cap.path), params, tmp_path / "q")
     assert ms.manifest["defaults"]["select"] == "question" and ms.manifest["defaults"]["window"] == params.window
+    assert params.reach == 6 and ms.manifest["defaults"]["reach"] == 6
     plan = objectives.plan_for(params, ms, model, tokenizer)
     assert plan.select == "question" and plan.share == params.share and plan.window == params.window
+    assert plan.reach == 6
     opts = objectives.vllm_job(model, "float32", replace(plan, window=8, query=16))["options"]
-    assert opts["select"] == "question" and (opts["window"], opts["query"]) == (8, 16)  # vLLM pools as planned
+    assert opts["select"] == "question" and (opts["window"], opts["query"], opts["reach"]) == (8, 16, 6)
     assert "window" not in objectives.vllm_job(model, "float32", replace(plan, select="rarity"))["options"]
     try:
         load_study(STUDY, {"search": {"select": "attention"}})

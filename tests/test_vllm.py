@@ -486,16 +486,16 @@ def test_question_selected_rows_equal_the_reference_in_one_step_and_chunked(setu
     tokens (the last chunk chooses; rows chosen in earlier chunks then run their late layers from their
     kept h_S), which the counters show."""
     s = setup
-    opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3}
+    opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3, "reach": 5}
     got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], chunk=2048, **opts))  # one step
-    assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3)" in got["log"]
+    assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3, reach=5)" in got["log"]
     assert_filled(got)
     assert (got["counters"]["question_one_step"], got["counters"]["question_chunked"]) == (2, 0)
     chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"], s["maps"], chunk=64, **opts))
     c = chunked["counters"]
     assert (c["question_one_step"], c["question_chunked"], c["question_exact"]) == (0, 2, 0), c
     assert c["question_late_rows"] > 0 and "RidgeFill is inert" not in chunked["log"]
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2)
+    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2, reach=5)
     for prompt, result, split in zip(s["prompts"], got["results"], chunked["results"], strict=True):
         # as `generate`: the head (all rows but the last) prefilled with the plan, the last row run stock on it
         pre = prefill(s["lm"], torch.tensor([prompt[:-1]]), replace(plan, tail=47))

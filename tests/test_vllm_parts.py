@@ -144,12 +144,15 @@ def test_question_rows_options_are_validated():
     assert question_rows(SimpleNamespace(), manifest, 0.15) is None  # rarity, as before
     assert question_rows(SimpleNamespace(ridgefill_select="question"), manifest, 0.0) is None  # no share
     cfg = SimpleNamespace(ridgefill_select="question", ridgefill_window="8")
-    assert question_rows(cfg, manifest, 0.15) == QuestionRows(query=32, window=8, layers=3)
+    assert question_rows(cfg, manifest, 0.15) == QuestionRows(query=32, window=8, layers=3, reach=0)
+    reach = {"defaults": manifest["defaults"] | {"reach": 12}, "split": 18}  # a map folder's default
+    assert question_rows(SimpleNamespace(ridgefill_select="question"), reach, 0.15).reach == 12
     for bad, share, word in [
         ({"ridgefill_select": "random"}, 0.1, "select"),
         ({"ridgefill_select": "question"}, 1.0, "share"),
         ({"ridgefill_select": "question", "ridgefill_score_layers": 19}, 0.1, "score_layers"),
         ({"ridgefill_select": "question", "ridgefill_query": 0}, 0.1, "query"),
+        ({"ridgefill_select": "question", "ridgefill_reach": -1}, 0.1, "reach"),
     ]:
         with pytest.raises(ValueError, match=word):
             question_rows(SimpleNamespace(**bad), manifest, share)

@@ -91,16 +91,19 @@ def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
 @dataclass(frozen=True)
 class QuestionRows:
     """The "question" selector on vLLM: the last `query` prompt rows' attention in the `layers` exact layers
-    below the split, max-pooled +-`window`, picks the protected share (as `ridgefill.runtime` does)."""
+    below the split, max-pooled +-`window` and `reach` rows further forward, picks the protected share (as
+    `ridgefill.runtime` does)."""
 
     query: int
     window: int
     layers: int
+    reach: int = 0
 
 
 def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
     """The question selector's options (hf_overrides `ridgefill_select="question"`, `ridgefill_query`,
-    `ridgefill_window`, `ridgefill_score_layers`), or None for the rarity selector; ValueError if invalid."""
+    `ridgefill_window`, `ridgefill_score_layers`, `ridgefill_reach`), or None for the rarity selector; ValueError
+    if invalid."""
     d = manifest["defaults"]
     select = _option(cfg, "select", str(d.get("select", ROWS.select)))
     if select == "rarity" or share == 0.0:  # nothing to choose without a share
@@ -111,10 +114,13 @@ def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
         _option(cfg, "query", int(d.get("query", ROWS.query))),
         _option(cfg, "window", int(d.get("window", ROWS.window))),
         _option(cfg, "score_layers", int(d.get("score_layers", ROWS.score_layers))),
+        _option(cfg, "reach", int(d.get("reach", ROWS.reach))),
     )
     if share >= 1.0:
         raise ValueError(f"ridgefill_select='question' needs ridgefill_share below 1 (got {share})")
-    RowPolicy(share=share, select=select, query=rows.query, window=rows.window, score_layers=rows.layers).check(PREFIX)
+    RowPolicy(
+        share=share, select=select, query=rows.query, window=rows.window, score_layers=rows.layers, reach=rows.reach
+    ).check(PREFIX)
     if rows.layers > int(manifest["split"]):
         raise ValueError(f"ridgefill_score_layers must not exceed the split {manifest['split']} (got {rows.layers})")
     return rows

@@ -388,7 +388,7 @@ class RidgeFillMixin:
             )
             attention = a if attention is None else attention + a
         attention = _all_heads(attention)
-        return question_mask(attention, c.sink, max(1, c.tail - 1), c.share, q.window).cpu()
+        return question_mask(attention, c.sink, max(1, c.tail - 1), c.share, q.window, q.reach).cpu()
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
