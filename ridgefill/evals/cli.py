@@ -155,6 +155,8 @@ def ttft(
     select: Annotated[
         str, typer.Option(help="how the share is chosen: rarity | question (the question's attention)")
     ] = "rarity",
+    window: Annotated[int | None, typer.Option(help="question: max-pool half-width (default: the folder's)")] = None,
+    reach: Annotated[int | None, typer.Option(help="question: rows after a scored row kept with it")] = None,
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
     chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
@@ -171,7 +173,8 @@ def ttft(
 
     if engine == "transformers":
         lm, tok, ms = _load(model, maps)
-        plan = replace(_plan(ms, mode, split, sink, tail, share), select=select)
+        pooling = {k: v for k, v in {"window": window, "reach": reach}.items() if v is not None}
+        plan = replace(_plan(ms, mode, split, sink, tail, share), select=select, **pooling)
         run = transformers_engine(lm)
     elif engine == "vllm":
         if maps is None:
@@ -180,7 +183,8 @@ def ttft(
         from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
-        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select}
+        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select, "window": window}
+        given["reach"] = reach
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         llm = make_llm(
             path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
@@ -189,7 +193,8 @@ def ttft(
         run = ttft_engine(llm)  # raises if the engine refused the folder
         tok = llm.get_tokenizer()
         plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there
-        plan = replace(plan, select=select)
+        q = served_model(llm).ridgefill.question
+        plan = replace(plan, select=select, **({"window": q.window, "reach": q.reach} if q else {}))
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
@@ -218,6 +223,8 @@ def ttft(
                 "tail": plan.tail,
                 "share": plan.share,
                 "select": plan.select,
+                "window": plan.window,
+                "reach": plan.reach,
             },
             "lengths": result,
         },
