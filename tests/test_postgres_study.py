@@ -44,8 +44,8 @@ TINY_STUDY = {
     "hardware": {"threads": 1},
 }
 TRIAL_LINE = re.compile(
-    r"trial (\d+)/(\d+) \(#(\d+)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+)(?:, window \d+)? "
-    r"\| RULER ([+-][\d.]+)"
+    r"trial (\d+)/(\d+) \(#(\d+)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+)(?:, window \d+)?"
+    r"(?:, reach \d+)? \| RULER ([+-][\d.]+)"
     r"(?: \[[-+\d., ]+\] n=\d+(?: promoted)?)? \| "
     r"speed-up ([\d.]+)x \| dNLL (\S+) \| feasible (yes|no) \| ([\d.]+) s"
 )

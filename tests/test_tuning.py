@@ -157,7 +157,8 @@ def test_one_progress_line_per_trial(tmp_path):
     search.optimize(study, cfg, evaluate, on_trial=on_trial)
     assert len(lines) == 4  # three complete and one failed
     line = re.compile(
-        r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+), window 4 \| RULER ([+-][\d.]+)"
+        r"trial (\d)/3 \(#(\d)\): split (\d+), lambda (\S+), tail (\d+), share ([\d.]+), window 8, reach 16 \| "
+        r"RULER ([+-][\d.]+)"
         r"(?: \[[-+\d., ]+\] n=\d+(?: promoted)?)? \| "
         r"speed-up ([\d.]+)x \| dNLL - \| feasible (yes|no) \| [\d.]+ s$"
     )
