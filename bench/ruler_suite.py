@@ -77,6 +77,11 @@ def plan_config(plan: FillPlan, engine: str = "transformers") -> dict:
     return {k: getattr(plan, k) for k in keys} | reach | ({"engine": engine} if engine != "transformers" else {})
 
 
+def out_file(stem: Path, ext: str) -> Path:
+    """OUT + ext (`--out r/c4k_0.15` writes r/c4k_0.15.jsonl: a dot in the stem is not a suffix to replace)."""
+    return stem.with_name(stem.name + ext)
+
+
 def prompt_key(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
@@ -160,6 +165,7 @@ def main() -> None:
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown:
         raise SystemExit(f"error: unknown RULER task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
+    args.grid = selector_grid(args.grid)  # a bad --grid is refused before the model loads
     if not args.maps.is_dir():
         raise SystemExit(f"error: --maps {args.maps} is not a map folder; write one with `ridgefill fit`")
     if args.haystack is not None and not args.haystack.is_dir():
@@ -169,7 +175,7 @@ def main() -> None:
     if args.coverage:
         return coverage(args, model, tok, lengths, counts)
     plans = make_plans(args, model, tok)
-    rows_path = args.out.with_suffix(".jsonl")
+    rows_path = out_file(args.out, ".jsonl")
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     for extra in args.merge:  # rows other processes scored (--start), reported together
@@ -241,7 +247,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
     from ridgefill.study import Ruler
 
     files = [str(f) for f in haystack_files(args.haystack)] if args.haystack else "pydoc"
-    ttft_path = args.out.with_suffix(".ttft.jsonl")
+    ttft_path = out_file(args.out, ".ttft.jsonl")
     for length, n in zip(lengths, counts, strict=True):
         batches = task_batches(args, tok, hay, length, n)
         for name, plan in plans.items():
@@ -286,10 +292,10 @@ def selector_grid(specs: list[str]) -> list[tuple]:
         return SELECTOR_GRID
     try:
         question = [("question", *(int(v) for v in spec.split(":"))) for spec in specs]
+        if any(len(g) != 5 for g in question):
+            raise ValueError(specs)
     except ValueError:
         raise SystemExit("error: --grid takes QUERY:WINDOW:LAYERS:REACH, e.g. 32:4:3:16") from None
-    if any(len(g) != 5 for g in question):
-        raise SystemExit("error: --grid takes QUERY:WINDOW:LAYERS:REACH, e.g. 32:4:3:16")
     return SELECTOR_GRID[:2] + question
 
 
@@ -298,8 +304,8 @@ def coverage(args, model, tok, lengths, counts) -> None:
     maps = load_maps(args.maps, model, tok)
     hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
     tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
-    grid = selector_grid(args.grid)
-    rows_path = args.out.with_suffix(".coverage.jsonl")
+    grid = args.grid
+    rows_path = out_file(args.out, ".coverage.jsonl")
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     for length, n in zip(lengths, counts, strict=True):
         batches = {t: make_samples(t, tok, length, hay, n, args.seed) for t in tasks}
@@ -350,7 +356,7 @@ def coverage(args, model, tok, lengths, counts) -> None:
             )
     md = "\n".join(lines)
     print(md)
-    args.out.with_suffix(".coverage.md").write_text(md + "\n")
+    out_file(args.out, ".coverage.md").write_text(md + "\n")
 
 
 def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: list[int]) -> None:
@@ -402,13 +408,13 @@ def report(args, cfg, plans: dict[str, FillPlan], rows: list[dict], lengths: lis
         "samples": rows,
     }
     result["config"]["maps"] = args.maps.name
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(md + "\n")
+    out_file(args.out, ".json").write_text(json.dumps(result, indent=1) + "\n")
+    out_file(args.out, ".md").write_text(md + "\n")
 
 
 def measured_ttft(args, current: dict[str, str]) -> dict[tuple[str, int], str]:
     """{(plan, length): "1.23x [lo, hi]"} from OUT.ttft.jsonl (vLLM runs), the latest row of each current plan."""
-    path = args.out.with_suffix(".ttft.jsonl")
+    path = out_file(args.out, ".ttft.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     out = {}
     for r in rows:

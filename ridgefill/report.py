@@ -65,14 +65,17 @@ def speed(t: FrozenTrial, missing: str = "-") -> str:
     return missing if up is None else f"{up:.3f}x"
 
 
+def _pooling(p: dict) -> str:
+    """How a question-selected trial pooled its rows (the reach only when it has one)."""
+    return f", window {p['window']}" + (f", reach {p['reach']}" if p.get("reach") else "")
+
+
 def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> str:
     """One line per finished trial: where the search stands and what the trial gave."""
     p, secs = params_of(t), t.user_attrs.get("seconds") or 0.0
     knobs = (
         f"split {p.get('split')}, lambda {p.get('lam', float('nan')):.3g}, tail {p.get('tail')}, "
-        f"share {p.get('share') or 0.0:.3f}"
-        + (f", window {p['window']}" if p.get("select") == "question" else "")
-        + (f", reach {p['reach']}" if p.get("select") == "question" and p.get("reach") else "")
+        f"share {p.get('share') or 0.0:.3f}" + (_pooling(p) if p.get("select") == "question" else "")
     )
     if t.state != TrialState.COMPLETE:
         why = t.user_attrs.get("error")

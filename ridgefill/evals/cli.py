@@ -183,8 +183,8 @@ def ttft(
         from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
-        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select, "window": window}
-        given["reach"] = reach
+        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select}
+        given |= {"window": window, "reach": reach}
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         llm = make_llm(
             path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
