@@ -181,6 +181,16 @@ def test_a_refused_map_folder_is_one_line_and_the_traceback_needs_v(corrupt):
         assert result.stderr.strip().splitlines()[-1] == line
 
 
+def test_bad_row_options_of_eval_are_one_line(built, model_dir):
+    """`eval ttft` checks its row options (the question's window and reach too) on either engine: one line, exit 2;
+    on vLLM before the engine starts."""
+    for engine in ("transformers", "vllm"):
+        args = ["eval", "ttft", "--engine", engine, "--maps", str(built["maps"]), "--model", str(model_dir),
+                "--select", "question", "--share", "0.1", "--length", "64", "--repeats", "1"]  # fmt: skip
+        _one_line_error(runner.invoke(app, [*args, "--reach", "-1"]), "--reach >= 0", "-1")
+        _one_line_error(runner.invoke(app, [*args, "--share", "2"]), "--share must lie in [0, 1]")
+
+
 def test_bad_splits_and_missing_files_stop_before_the_model_loads(built, model_dir, monkeypatch):
     from ridgefill import steps
 

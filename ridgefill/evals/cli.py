@@ -10,6 +10,7 @@ from typing import Annotated
 import torch
 import typer
 
+from ridgefill.inputs import check_rows
 from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan
 
@@ -30,15 +31,16 @@ def _load(model: str, maps: Path | None):
     return lm, tok, (load_maps(maps, lm, tok) if maps else None)
 
 
-def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int | None, share: float | None):
-    """The plan the options ask for: sink, tail and share given, else the folder's (the share chosen by rarity)."""
+def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int | None, share: float | None, **pooling):
+    """The plan the options ask for: sink, tail, share (and the question's `pooling`: window, reach) given, else the
+    folder's (the share chosen by rarity); a bad value is refused in one line (InputError)."""
     mode = mode or ("ridge" if ms else "identity")
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
     if ms is None and mode != "exact" and split is None:
         raise typer.BadParameter("without --maps, give --split", param_hint="--split")
     base = RowPolicy.of(ms.manifest["defaults"]) if ms else ROWS
-    rows = replace(base.given(sink=sink, tail=tail, share=share), select=ROWS.select)
+    rows = replace(check_rows(base, sink=sink, tail=tail, share=share, **pooling), select=ROWS.select)
     return FillPlan(mode, split or (ms.split if ms else 0), ms, **rows.as_dict())
 
 
@@ -171,10 +173,10 @@ def ttft(
     """Paired TTFT, exact vs the plan on the same engine in this process: medians, ratio and its CI."""
     from ridgefill.evals.ttft import paired_ttft, random_prompt, transformers_engine
 
+    check_rows(ROWS, sink=sink, tail=tail, share=share, window=window, reach=reach)  # before a model or engine loads
     if engine == "transformers":
         lm, tok, ms = _load(model, maps)
-        pooling = {k: v for k, v in {"window": window, "reach": reach}.items() if v is not None}
-        plan = replace(_plan(ms, mode, split, sink, tail, share), select=select, **pooling)
+        plan = replace(_plan(ms, mode, split, sink, tail, share, window=window, reach=reach), select=select)
         run = transformers_engine(lm)
     elif engine == "vllm":
         if maps is None:
@@ -183,8 +185,7 @@ def ttft(
         from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
-        given = {"sink": sink, "tail": tail, "share": share, "mode": mode, "select": select}
-        given |= {"window": window, "reach": reach}
+        given = dict(sink=sink, tail=tail, share=share, window=window, reach=reach, mode=mode, select=select)
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         llm = make_llm(
             path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
