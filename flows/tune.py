@@ -44,6 +44,7 @@ from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, default_db, default_work  # noqa: E402
 from ridgefill.steps import Weights, shared_model  # noqa: E402
 from ridgefill.study import Study, check_model, find_study, preflight  # noqa: E402
+from tasks.calibrate import calibrate_ttft  # noqa: E402
 from tasks.capture import capture, corpus_sha  # noqa: E402
 from tasks.certify import certify_map  # noqa: E402
 from tasks.model import resolve_model  # noqa: E402
@@ -186,11 +187,15 @@ def tune(
         STAGES, cfg.engine, ",".join(ruler.tasks), ruler.lengths, ruler.most, sum(cells) / max(1, len(cells)),
     )  # fmt: skip
     cinputs = _certify_inputs(cfg, res)
+    ttft = None if cfg.objectives.ttft.per_trial else calibrate_ttft(res.path, cap, cfg, str(work_dir / cfg.name))
+    log.info("%s", report.calibration_line(ttft))
 
     with Recorder(db_path) as rec:
         rec.study(cfg.name, cfg.model.repo, res.revision, res.fingerprint, cfg.engine,
                   cfg.constraints.max_ruler_drop, cfg.model_dump(), spec)  # fmt: skip
         record_baseline(rec, cfg.name, exact)
+        if ttft is not None:
+            rec.calibration(cfg.name, ttft.as_dict())
         shared = bool(storage and "://" in storage)
         ostudy = search.open_study(cfg, search.storage(storage, work_dir, cfg.name), os.getpid() if shared else 0)
         search.enqueue_first(ostudy, cfg)
@@ -199,7 +204,7 @@ def tune(
         budget = cfg.budget.trials
         where = "the shared RDB storage" if shared else storage or work_dir / "optuna" / f"{cfg.name}.journal"
         log.info("[4/%d] search: %d trials in %s; %d finished before", STAGES, budget, where, before)
-        ctx = TrialContext(res.path, cap, str(work_dir / cfg.name / "maps"))
+        ctx = TrialContext(res.path, cap, str(work_dir / cfg.name / "maps"), ttft=ttft)
         trial = trial_task(evaluator)
 
         def evaluate(batch):

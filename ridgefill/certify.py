@@ -146,6 +146,8 @@ def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger 
         logger.error("%s; not published", summary_line(cert))
         return None
     logger.info("%s", summary_line(cert))
+    if cert.get("ttft"):
+        logger.info("%s", ttft_line(cert["ttft"]))
     return publish()
 
 
@@ -159,12 +161,13 @@ def certify_trial(
 
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.maps import sha256_file
-    from ridgefill.objectives import plan_for, ruler_result, run_ruler_plan, run_vllm_job, vllm_job
+    from ridgefill.objectives import certified_ttft, plan_for, ruler_result, run_ruler_plan, run_vllm_job, vllm_job
     from ridgefill.search import Params, params_of
 
     spec, drop = cfg.certify, cfg.certify_drop
     mp = trial.user_attrs["map_path"]
-    key = key_of(spec, drop, f"{inputs_sha}:{cfg.engine}", sha256_file(Path(mp) / "ridgefill.json"))
+    timing = json.dumps(cfg.objectives.ttft.model_dump(exclude={"per_trial"}), sort_keys=True)  # the certified TTFT
+    key = key_of(spec, drop, f"{inputs_sha}:{cfg.engine}:{timing}", sha256_file(Path(mp) / "ridgefill.json"))
     if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
         return old
     t0 = time.time()
@@ -175,5 +178,32 @@ def certify_trial(
         run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = haystack_label(spec.haystack, words)
-    secs = time.time() - t0
-    return certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, secs, cfg.engine)
+    cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, 0.0, cfg.engine)
+    params = Params(**params_of(trial))
+    ttft = certified_ttft(model, tokenizer, params, mp, cfg, trial.user_attrs.get("speedup_predicted"))
+    cert["seconds"] = time.time() - t0
+    return with_ttft(cert, ttft)
+
+
+def with_ttft(cert: dict, ttft: dict) -> dict:
+    """The certificate with the map's certified TTFT; a timing above its FLOP bound fails the certificate (a
+    speed no map can have is never published)."""
+    out = cert | {"ttft": ttft}
+    if not ttft["valid"]:
+        out["passed"] = False
+        out["rule"] = cert["rule"] + "; and a certified TTFT at or under its FLOP bound"
+        log.error("%s", ttft_line(ttft))
+    return out
+
+
+def ttft_line(t: dict) -> str:
+    """The certified TTFT in one line: figure, CI, rounds, engine and the FLOP bound beside it."""
+    verdict = "" if t["valid"] else "INVALID (above its FLOP bound: the timing is wrong) "
+    return (
+        f"certified TTFT {verdict}{t['speedup']:.3f}x [{t['lo']:.3f}, {t['hi']:.3f}] ({t['rounds']} paired rounds, "
+        f"{t['engine']} {t['dtype']} on {t['device']}, {', '.join(map(str, t['lengths']))} tokens; FLOP bound "
+        f"{t['bound']:.3f}x"
+        + ("" if t.get("predicted") is None else f", predicted {t['predicted']:.3f}x")
+        + ")"
+        + (f"; {t['note']}" if t.get("note") else "")
+    )

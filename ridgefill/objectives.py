@@ -68,6 +68,13 @@ def ruler_rows(plan: str, scores: dict) -> list[tuple]:
     return rows
 
 
+def _geo(values) -> float:
+    import math
+
+    v = list(values)
+    return math.exp(sum(math.log(x) for x in v) / len(v))
+
+
 def ttft_speedup(results: dict) -> float:
     """Geometric mean of the paired speed-ups over TTFT lengths."""
     from ridgefill.evals.ttft import speedup_over_lengths
@@ -82,6 +89,7 @@ def ttft_rows(results: dict) -> list[tuple]:
             ("ttft", "exact", "ttft_s", int(length), "all", r["exact_median_s"], r["repeats"]),
             ("ttft", "trial", "ttft_s", int(length), "all", r["fill_median_s"], r["repeats"]),
             ("ttft", "trial", "speedup", int(length), "all", r["speedup"], r["repeats"]),
+            ("ttft", "trial", "speedup_ci_lo", int(length), "all", r["speedup_ci95"][0], r["repeats"]),
         ]
     return rows
 
@@ -221,14 +229,15 @@ def engine_for(name: str, model):
 
 def vllm_job(
     model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None, first: int = 0, samples: int | None = None,
-    promote: dict | None = None,
+    promote: dict | None = None, speedup: float | None = None,
 ) -> dict:  # fmt: skip
     """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
     baseline), else the plan's map folder and row policy; RULER scores the plan ("p") on sample indices
     first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. `promote` ({"exact": the exact
     rows, "bar": `promotion_bar` or None, "max_drop": optional}): the job skips TTFT when the first samples
     cannot pass (`cannot_pass` against "max_drop"), and after TTFT scores up to `ruler.promote` samples when
-    the first ones and the speed-up clear the bar, on the same engine."""
+    the first ones and the speed-up clear the bar, on the same engine; `speedup` (the calibrated model's) replaces
+    the TTFT measurement."""
     import torch
 
     job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
@@ -241,8 +250,10 @@ def vllm_job(
         kind = "served" if job["maps"] else "exact"
         n = ruler.samples if samples is None else samples
         job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}, "first": first, "samples": n}
-    if ttft is not None:
+    if ttft is not None and speedup is None:
         job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
+    if speedup is not None:  # predicted by the calibrated model: the job times nothing, promotion uses it
+        job["speedup"] = speedup
     if promote is not None and ruler is not None:  # decided in the job: one engine start
         job["exact"] = sample_rows("exact", promote["exact"])
         if promote.get("max_drop") is not None:
@@ -258,10 +269,7 @@ def vllm_job(
 def plugin_options(plan) -> dict:
     """The plan's row policy as the plugin's hf_overrides (`ridgefill_<key>`); the question selector's query rows,
     pooling window, reach and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
-    opts = {"sink": plan.sink, "tail": plan.tail, "share": plan.share, "select": plan.select}
-    if plan.select == "question":
-        opts |= {"query": plan.query, "window": plan.window, "score_layers": plan.score_layers, "reach": plan.reach}
-    return opts
+    return plugin_options_of(plan.policy)
 
 
 def run_vllm_job(job: dict) -> dict:
@@ -284,13 +292,13 @@ def run_vllm_job(job: dict) -> dict:
         return json.loads(dst.read_text())
 
 
-def run_trial_vllm(model, plan, cfg: Study, promote: dict | None = None) -> dict:
+def run_trial_vllm(model, plan, cfg: Study, promote: dict | None = None, speedup: float | None = None) -> dict:
     """One engine per trial serves its RULER (every sample of a task x length in one batch), its paired TTFT
     (None: skipped, the trial cannot pass) and, when `promote` ({"bar", "exact", "max_drop"}: `vllm_job`) is
     cleared, the promoted trial's further samples:
     {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result} or None, "promoted": bool}."""
     r = cfg.objectives.ruler
-    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, promote=promote))
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, promote=promote, speedup=speedup))
     return {"ruler": ruler_result(out["ruler"]), "ttft": out.get("ttft"), "promoted": bool(out.get("promoted"))}
 
 
@@ -328,6 +336,147 @@ def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
     return out
 
 
+# --- the calibrated TTFT model (`ridgefill.ttft_model`): what trials are ranked by -------------------------
+
+
+def calibration_points(cfg: Study) -> list:
+    """Where a study's TTFT model is calibrated: the search space's corners (`ttft_model.corners`) and its centre
+    (middle split, tail and share), with the study's selector and its middle pooling window."""
+    from ridgefill.ttft_model import Point, corners
+
+    s = cfg.search
+    rows = search_rows(cfg)
+    splits, tails = sorted(set(s.splits)), sorted(set(s.tails))
+    centre = Point(splits[len(splits) // 2], rows.given(tail=tails[len(tails) // 2], share=sum(s.share) / 2))
+    return [*corners(splits, tails, s.share, rows), centre]
+
+
+def search_rows(cfg: Study):
+    """The row policy every trial of the study shares (sink, selector, pooling); tail and share are searched."""
+    from ridgefill.rows import ROWS
+
+    s = cfg.search
+    return ROWS.given(sink=s.sink, select=s.select, window=sorted(s.windows)[len(s.windows) // 2], reach=s.reach)
+
+
+def calibration_maps(model, tokenizer, capture_path: str, cfg: Study, splits, out: Path) -> dict:
+    """A map folder per calibration split, fitted at the middle lambda (timing does not depend on lambda)."""
+    import math
+
+    from ridgefill.search import Params
+    from ridgefill.steps import fit_trial
+
+    lam = math.sqrt(cfg.search.lam[0] * cfg.search.lam[1])
+    rows = search_rows(cfg)
+    maps = {}
+    for s in sorted(set(splits)):
+        params = Params(s, lam, rows.tail, rows.share, rows.sink, rows.select, rows.window, rows.reach)
+        maps[s] = fit_trial(model, tokenizer, capture_path, params, Path(out) / f"calibration-S{s}")
+    return maps
+
+
+def time_points(model, maps: dict, points: list, cfg: Study, engine: str) -> list:
+    """Paired, alternating TTFT of exact and every point at the study's TTFT lengths on `engine`
+    (`ttft_model.measure`; on vLLM one engine per split, its row policies swapped between requests)."""
+    from ridgefill.evals.ttft import point_timer
+    from ridgefill.ttft_model import Point, Ratio, measure
+
+    t = cfg.objectives.ttft
+    knobs = {"min_rounds": t.repeats, "max_rounds": t.max_repeats, "target": t.target, "warmup": t.warmup}
+    if engine != "vllm":
+        device = next(model.parameters()).device
+        timer = point_timer(engine_for(engine, model), maps, model.config.vocab_size, device)
+        return measure(timer, points, t.lengths, **knobs)
+    from dataclasses import asdict
+
+    from ridgefill.rows import RowPolicy
+
+    out = []
+    for split in sorted({p.split for p in points}):
+        mine = [p for p in points if p.split == split]
+        job: dict = {"model": model.config._name_or_path, "dtype": cfg.model.dtype, "maps": str(maps[split].path)}
+        job["options"] = plugin_options_of(mine[0].rows)
+        job["calibrate"] = {"lengths": list(t.lengths), "policies": [asdict(p.rows) for p in mine], **knobs}
+        for r in run_vllm_job(job)["calibrate"]:
+            point = Point(r["point"]["split"], RowPolicy(**r["point"]["rows"]))
+            out.append(Ratio(**(r | {"point": point})))
+    return out
+
+
+def calibrate(model, tokenizer, capture_path: str, cfg: Study, out: Path):
+    """The study's TTFT model on its own engine and machine, checked against its calibration points
+    (`ttft_model.checked`: CalibrationError when it misses one by more than that point's CI)."""
+    from ridgefill.cost import Shape
+    from ridgefill.ttft_model import checked, conditions, fit
+
+    points = calibration_points(cfg)
+    maps = calibration_maps(model, tokenizer, capture_path, cfg, [p.split for p in points], out)
+    t = cfg.objectives.ttft
+    before = conditions() | {"target": t.target, "max_rounds": t.max_repeats}
+    ratios = time_points(model, maps, points, cfg, cfg.engine)
+    shape = Shape.of(model.config.to_dict())
+    return checked(fit(shape, ratios, cfg.engine, cfg.hardware.device, cfg.model.dtype, before))
+
+
+def predicted(ttft_model, params: Params, lengths: Sequence[int]) -> Timing:
+    """A trial's TTFT objective from the calibrated model: deterministic, so identical configs rank identically
+    on any machine; metric rows carry the prediction and the FLOP bound per length."""
+    from ridgefill.ttft_model import Point, bound, geomean
+
+    point = Point(params.split, params.rows)
+    ups = {n: ttft_model.ratio(n, point) for n in lengths}
+    bounds = {n: bound(ttft_model.shape, n, point) for n in lengths}
+    rows = [("ttft", "trial", "speedup_predicted", int(n), "all", v, 0) for n, v in ups.items()]
+    rows += [("ttft", "trial", "speedup_bound", int(n), "all", v, 0) for n, v in bounds.items()]
+    up = geomean(list(ups.values()))
+    return Timing(up, rows, measured=False, predicted=up, flop_bound=geomean(list(bounds.values())))
+
+
+def serving_engine(cfg: Study) -> str:
+    """Where a certified TTFT is measured: vLLM, the engine users serve on, when it is installed; else the study's."""
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else cfg.engine
+
+
+def certified_ttft(model, tokenizer, params: Params, map_path: str, cfg: Study, predicted: float | None) -> dict:
+    """The chosen map's TTFT as it ships: timed paired against exact on the serving engine at the study's TTFT
+    lengths, rounds until the CI half-width is within `ttft.target` or `ttft.max_repeats`; with the FLOP bound and
+    the prediction beside it. `valid` is False when a length's CI lies wholly above its bound (the timing is
+    wrong: the certification then fails)."""
+    from ridgefill.maps import load_maps
+    from ridgefill.ttft_model import Point, bound, conditions, geomean
+
+    engine, t = serving_engine(cfg), cfg.objectives.ttft
+    point = Point(params.split, params.rows)
+    maps = {params.split: load_maps(Path(map_path), model, tokenizer)}
+    before = conditions()
+    ratios = time_points(model, maps, [point], cfg, engine)
+    shape = model.config
+    per = [
+        {"length": r.length, "speedup": r.ratio, "lo": r.lo, "hi": r.hi, "rounds": r.rounds,
+         "bound": bound(shape, r.length, point), "exact_s": r.exact_s}
+        for r in ratios
+    ]  # fmt: skip
+    note = None if engine == "vllm" else f"vLLM is not installed: timed on the {engine} runtime"
+    return {
+        "engine": engine, "dtype": cfg.model.dtype, "device": cfg.hardware.device, "lengths": list(t.lengths),
+        "speedup": geomean([r["speedup"] for r in per]), "lo": geomean([r["lo"] for r in per]),
+        "hi": geomean([r["hi"] for r in per]), "bound": geomean([r["bound"] for r in per]),
+        "rounds": min(r["rounds"] for r in per), "target": t.target, "max_rounds": t.max_repeats,
+        "predicted": predicted, "per_length": per, "conditions": before | {"after": conditions()},
+        "valid": all(r["lo"] <= r["bound"] * (1 + 1e-6) for r in per), "note": note,
+    }  # fmt: skip
+
+
+def plugin_options_of(rows) -> dict:
+    """A row policy as the plugin's hf_overrides (`ridgefill_<key>`)."""
+    opts = {"sink": rows.sink, "tail": rows.tail, "share": rows.share, "select": rows.select}
+    if rows.select == "question":
+        opts |= {"query": rows.query, "window": rows.window, "score_layers": rows.score_layers, "reach": rows.reach}
+    return opts
+
+
 # --- one trial's measurements (what the Prefect tasks call) ----------------------------------------------
 
 
@@ -350,25 +499,36 @@ class Timing:
     speedup: float
     rows: list[tuple]
     measured: bool = True
+    predicted: float | None = None  # the calibrated model's speed-up (then `speedup` is it)
+    flop_bound: float | None = None  # the FLOP bound (geometric mean over the lengths)
+    invalid: bool = False  # a per-trial timing above its FLOP bound, twice: never used
 
     @classmethod
     def of(cls, results: dict) -> Timing:
         return cls(ttft_speedup(results), ttft_rows(results))
+
+    def checked(self, config, params: Params) -> Timing:
+        """This timing with its FLOP bound; `invalid` when some length's measured CI lies wholly above it."""
+        from ridgefill.flops import speedup_bound
+
+        bounds = {int(r[3]): speedup_bound(config, int(r[3]), params.split, params.rows.protected(int(r[3])))
+                  for r in self.rows if r[2] == "speedup"}  # fmt: skip
+        lows = {int(r[3]): r[5] for r in self.rows if r[2] == "speedup_ci_lo"}
+        above = any(lows.get(n, 0.0) > b * (1 + 1e-6) for n, b in bounds.items())
+        rows = self.rows + [("ttft", "trial", "speedup_bound", n, "all", b, 0) for n, b in bounds.items()]
+        return Timing(self.speedup, rows, self.measured, self.predicted, _geo(bounds.values()), above)
 
     @classmethod
     def bound(cls, config, params: Params, lengths: Sequence[int]) -> Timing:
         """The FLOP bound in place of a measurement (`ridgefill.flops.speedup_bound`, geometric mean over the
         TTFT lengths): an infeasible trial's speed-up steers nothing (Optuna's constrained TPE ranks infeasible
         trials by their violation alone) and is recorded as not measured."""
-        import math
-
         from ridgefill.flops import speedup_bound
-        from ridgefill.rows import RowPolicy
 
-        rows = RowPolicy(sink=params.sink, tail=params.tail, share=params.share)
-        ups = {n: speedup_bound(config, n, params.split, rows.protected(n)) for n in lengths}
+        ups = {n: speedup_bound(config, n, params.split, params.rows.protected(n)) for n in lengths}
         metric = [("ttft", "trial", "speedup_bound", int(n), "all", v, 0) for n, v in ups.items()]
-        return cls(math.exp(sum(math.log(v) for v in ups.values()) / len(ups)), metric, measured=False)
+        up = _geo(ups.values())
+        return cls(up, metric, measured=False, flop_bound=up)
 
 
 def cannot_pass(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:

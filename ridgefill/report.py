@@ -10,7 +10,7 @@ from pathlib import Path
 from optuna.trial import FrozenTrial, TrialState
 
 from ridgefill.results import Recorder
-from ridgefill.search import feasible, measured_speedup, params_of
+from ridgefill.search import feasible, params_of, ranked_speedup, speedup_source, usable
 from ridgefill.study import Study
 
 # --- the front and the choice --------------------------------------------------------------------------
@@ -18,7 +18,7 @@ from ridgefill.study import Study
 
 def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:
     """Feasible complete trials not dominated on (RULER delta, speed-up), by trial number."""
-    ok = [t for t in trials if feasible(t, max_drop)]
+    ok = [t for t in trials if feasible(t, max_drop) and usable(t)]
 
     def dominated(t: FrozenTrial) -> bool:
         a = t.values
@@ -28,8 +28,9 @@ def front(trials: Sequence[FrozenTrial], max_drop: float) -> list[FrozenTrial]:
 
 
 def choose(trials: Sequence[FrozenTrial], max_drop: float) -> FrozenTrial | None:
-    """The best speed-up inside the constraint (ties: the smaller RULER drop, then the earlier trial)."""
-    ok = [t for t in trials if feasible(t, max_drop)]
+    """The best speed-up inside the constraint (ties: the smaller RULER drop, then the earlier trial); a trial
+    whose timing broke its FLOP bound is never chosen."""
+    ok = [t for t in trials if feasible(t, max_drop) and usable(t)]
     return max(ok, key=lambda t: (t.values[1], t.values[0], -t.number), default=None)
 
 
@@ -42,10 +43,13 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
     lines = [
         f"Constraint: the 95% CI lower bound of the paired RULER delta >= -{max_drop:g} points. "
         "`*` Pareto front, `**` chosen, `+` promoted (scored on more samples: it could join the front); "
-        "speed-up `-`: not timed (it failed the constraint before its speed-up could matter).",
+        "speed-up `p`: predicted by the study's calibrated TTFT model (else measured for the trial), `invalid`: "
+        "measured above its FLOP bound (never used), `-`: not timed (it failed the constraint before its speed-up "
+        "could matter).",
         "",
-        "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | dNLL | feasible | |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trial | split | lambda | tail | share | RULER delta | 95% CI (n) | TTFT speed-up | FLOP bound | dNLL | "
+        "feasible | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number):
         p, d, ci = params_of(t), t.user_attrs.get("dnll"), t.user_attrs.get("ruler_ci")
@@ -53,16 +57,26 @@ def table(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_drop: f
         band = f"[{ci['lo']:+.1f}, {ci['hi']:+.1f}] ({ci['n']}{'+' if ci.get('promoted') else ''})" if ci else "-"
         lines.append(
             f"| {t.number} | {p.get('split')} | {p.get('lam', float('nan')):.3g} | {p.get('tail')} | "
-            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {speed(t)} | "
+            f"{p.get('share', 0.0):.3f} | {t.values[0]:+.2f} | {band} | {speed(t)} | {flop_bound(t)} | "
             f"{'-' if d is None else f'{d:+.4f}'} | {'yes' if feasible(t, max_drop) else 'no'} | {mark} |"
         )
     return "\n".join(lines)
 
 
-def speed(t: FrozenTrial, missing: str = "-") -> str:
-    """A trial's measured speed-up as shown (`missing` when it was not timed)."""
-    up = measured_speedup(t)
-    return missing if up is None else f"{up:.3f}x"
+def speed(t: FrozenTrial, missing: str = "-", long: bool = False) -> str:
+    """A trial's speed-up as shown, saying where it comes from (`missing` when it was not timed)."""
+    source = speedup_source(t)
+    if source == "invalid":
+        return "invalid (above its FLOP bound)"
+    up = ranked_speedup(t)
+    if up is None:
+        return missing
+    return f"{up:.3f}x" + ((" predicted" if long else " p") if source == "predicted" else "")
+
+
+def flop_bound(t: FrozenTrial) -> str:
+    b = t.user_attrs.get("speedup_bound")
+    return "-" if b is None else f"{b:.3f}x"
 
 
 def _pooling(p: dict) -> str:
@@ -84,7 +98,7 @@ def progress_line(t: FrozenTrial, done: int, budget: int, max_drop: float) -> st
     band = f" [{ci['lo']:+.1f}, {ci['hi']:+.1f}] n={ci['n']}{' promoted' if ci.get('promoted') else ''}" if ci else ""
     return (
         f"trial {done}/{budget} (#{t.number}): {knobs} | RULER {t.values[0]:+.2f}{band} | "
-        f"speed-up {speed(t, 'not timed')} | "
+        f"speed-up {speed(t, 'not timed', long=True)} | "
         f"dNLL {'-' if d is None else f'{d:+.4f}'} | feasible {'yes' if feasible(t, max_drop) else 'no'} | {secs:.1f} s"
     )
 
@@ -99,18 +113,29 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     fr = front(done, max_drop)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    timed = [t for t in done if measured_speedup(t) is not None]  # not timed: no point on the speed axis
+    timed = [t for t in done if ranked_speedup(t) is not None]  # not timed: no point on the speed axis
     ok = [t for t in timed if feasible(t, max_drop)]
     bad = [t for t in timed if not feasible(t, max_drop)]
-    ax.scatter([t.values[1] for t in ok], [t.values[0] for t in ok], c="tab:blue", label="feasible")
-    ax.scatter([t.values[1] for t in bad], [t.values[0] for t in bad], c="tab:gray", marker="x", label="infeasible")
+    for group, colour, marker, label in ((ok, "tab:blue", "o", "feasible"), (bad, "tab:gray", "x", "infeasible")):
+        if not group:
+            continue
+        lo, hi = _ruler_err(group)
+        ax.errorbar([t.values[1] for t in group], [t.values[0] for t in group], yerr=[lo, hi], fmt=marker,
+                    c=colour, ecolor=colour, elinewidth=0.8, capsize=2, label=f"{label} (RULER 95% CI)")  # fmt: skip
+    bounded = [t for t in timed if t.user_attrs.get("speedup_bound") is not None]
+    for t in bounded:  # each trial's physical limit beside its speed-up
+        ax.plot([t.values[1], t.user_attrs["speedup_bound"]], [t.values[0]] * 2, ":", c="tab:green", lw=0.8)
+    if bounded:
+        ax.scatter([t.user_attrs["speedup_bound"] for t in bounded], [t.values[0] for t in bounded], marker="|",
+                   c="tab:green", s=60, label="FLOP bound")  # fmt: skip
     ax.plot([t.values[1] for t in fr], [t.values[0] for t in fr], "o-", c="tab:orange", label="Pareto front")
     if chosen is not None:
         ax.scatter([chosen.values[1]], [chosen.values[0]], s=200, facecolors="none", edgecolors="red", label="chosen")
     ax.axhline(-max_drop, ls="--", c="red", lw=1, label=f"max drop {max_drop:g}")
     for t in timed:
         ax.annotate(str(t.number), (t.values[1], t.values[0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("TTFT speed-up vs exact (x)")
+    predicted = any(speedup_source(t) == "predicted" for t in timed)
+    ax.set_xlabel("TTFT speed-up vs exact (x, " + ("predicted by the calibrated model)" if predicted else "measured)"))
     ax.set_ylabel("RULER delta vs exact (points)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -118,6 +143,31 @@ def pareto_png(trials: Sequence[FrozenTrial], chosen: FrozenTrial | None, max_dr
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _ruler_err(trials: Sequence[FrozenTrial]) -> tuple[list[float], list[float]]:
+    """Error-bar lengths below and above each trial's RULER delta: its paired 95% CI (0 without one)."""
+    lo, hi = [], []
+    for t in trials:
+        ci = t.user_attrs.get("ruler_ci") or {}
+        lo.append(max(0.0, t.values[0] - ci["lo"]) if ci.get("lo") is not None else 0.0)
+        hi.append(max(0.0, ci["hi"] - t.values[0]) if ci.get("hi") is not None else 0.0)
+    return lo, hi
+
+
+def calibration_line(model) -> str:
+    """What the study ranks trials by: the calibrated TTFT model (engine, points, worst error), or per-trial timing."""
+    if model is None:
+        return "TTFT: timed per trial (objectives.ttft.per_trial)"
+    rows = model.table()
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    capped = sum(r["rounds"] >= (model.conditions.get("max_rounds") or 10**9) for r in rows)
+    return (
+        f"TTFT model calibrated on {model.engine} ({model.device}, {model.dtype}): {len(rows)} points, paired against "
+        f"exact, {min(r['rounds'] for r in rows)}-{max(r['rounds'] for r in rows)} rounds each; largest prediction "
+        f"error {worst['error']:+.1%} ({worst['point']} at {worst['length']}); trials are ranked by its predicted "
+        "speed-up" + (f"; {capped} points stopped at the round cap" if capped else "")
+    )
 
 
 # --- the study's selection, recorded and written ------------------------------------------------------

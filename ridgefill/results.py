@@ -37,6 +37,14 @@ CREATE TABLE IF NOT EXISTS trials (
 ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_ci_lo DOUBLE;
 ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_ci_hi DOUBLE;
 ALTER TABLE trials ADD COLUMN IF NOT EXISTS ruler_n INTEGER;
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS speedup_predicted DOUBLE;
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS speedup_bound DOUBLE;
+ALTER TABLE trials ADD COLUMN IF NOT EXISTS speedup_source TEXT;
+CREATE TABLE IF NOT EXISTS ttft_calibrations (  -- the TTFT model each study run ranked its trials by
+    study TEXT, engine TEXT, device TEXT, dtype TEXT, point TEXT, length INTEGER, measured DOUBLE, lo DOUBLE,
+    hi DOUBLE, rounds INTEGER, predicted DOUBLE, error DOUBLE, bound DOUBLE, exact_s DOUBLE, model JSON,
+    calibrated TIMESTAMP DEFAULT current_timestamp, PRIMARY KEY (study, point, length)
+);
 CREATE TABLE IF NOT EXISTS metrics (
     study TEXT, trial INTEGER, kind TEXT, plan TEXT, task TEXT, length INTEGER, region TEXT,
     value DOUBLE, n INTEGER, PRIMARY KEY (study, trial, kind, plan, task, length, region)
@@ -78,7 +86,12 @@ QUALIFY row_number() OVER (PARTITION BY m.model ORDER BY s.updated DESC NULLS LA
 """
 TRIAL_COLS = (
     "study", "trial", "state", "split", "lam", "tail", "share", "sink", "ruler_delta", "speedup", "dnll",
-    "feasible", "map_path", "params", "seconds", "ruler_ci_lo", "ruler_ci_hi", "ruler_n",
+    "feasible", "map_path", "params", "seconds", "ruler_ci_lo", "ruler_ci_hi", "ruler_n", "speedup_predicted",
+    "speedup_bound", "speedup_source",
+)  # fmt: skip
+CALIBRATION_COLS = (
+    "study", "engine", "device", "dtype", "point", "length", "measured", "lo", "hi", "rounds", "predicted", "error",
+    "bound", "exact_s", "model",
 )  # fmt: skip
 METRIC_COLS = ("study", "trial", "kind", "plan", "task", "length", "region", "value", "n")
 MAP_COLS = (
@@ -134,20 +147,24 @@ class TrialRecord:
     state: str
     params: dict[str, Any]
     ruler_delta: float | None = None
-    speedup: float | None = None
+    speedup: float | None = None  # what ranked the trial (`speedup_source`); None: not timed, or invalid
     dnll: float | None = None
     feasible: bool | None = None
     map_path: str | None = None
     seconds: float | None = None
     metrics: list[tuple] = field(default_factory=list)
     ruler_ci: dict | None = None  # {"lo", "hi", "n"}: the paired delta's 95% CI
+    speedup_predicted: float | None = None  # the calibrated TTFT model's speed-up
+    speedup_bound: float | None = None  # the FLOP bound at the TTFT lengths
+    speedup_source: str | None = None  # what ranked the trial: predicted | measured | invalid | None (not timed)
 
     def row(self) -> tuple:
         p, ci = self.params, self.ruler_ci or {}
         return (
             self.study, self.trial, self.state, p.get("split"), p.get("lam"), p.get("tail"), p.get("share"),
             p.get("sink"), self.ruler_delta, self.speedup, self.dnll, self.feasible, self.map_path,
-            json.dumps(p), self.seconds, ci.get("lo"), ci.get("hi"), ci.get("n"),
+            json.dumps(p), self.seconds, ci.get("lo"), ci.get("hi"), ci.get("n"), self.speedup_predicted,
+            self.speedup_bound, self.speedup_source,
         )  # fmt: skip
 
 
@@ -233,6 +250,18 @@ class Recorder:
         clear = [("DELETE FROM metrics WHERE study = ? AND trial = ? AND kind = 'certify'", key)]
         rows = [(cert["study"], cert["trial"], *m) for m in metrics]
         self._tx([("certifications", CERT_COLS, [row]), ("metrics", METRIC_COLS, rows)], clear)
+
+    def calibration(self, study: str, model: dict) -> None:
+        """The TTFT model a study run ranks its trials by (`TTFTModel.as_dict`): one row per calibration point."""
+        m = {k: model[k] for k in ("engine", "device", "dtype")}
+        blob = json.dumps(model)
+        rows = [
+            (study, m["engine"], m["device"], m["dtype"], r["point"], r["length"], r["measured"], r["lo"], r["hi"],
+             r["rounds"], r["predicted"], r["error"], r["bound"], r["exact_s"], blob)
+            for r in model["points"]
+        ]  # fmt: skip
+        clear = [("DELETE FROM ttft_calibrations WHERE study = ?", [study])]
+        self._tx([("ttft_calibrations", CALIBRATION_COLS, rows)], clear)
 
     def certified(self, study: str, trial: int) -> dict | None:
         """The recorded certificate of a study's trial, or None."""

@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ridgefill.evals.paired import within
 from ridgefill.results import Recorder, TrialRecord
-from ridgefill.rows import ROWS
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.study import Search, Study
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,12 @@ class Params:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def rows(self) -> RowPolicy:
+        """The trial's protected-row policy."""
+        return ROWS.given(sink=self.sink, tail=self.tail, share=self.share, select=self.select, window=self.window,
+                          reach=self.reach)  # fmt: skip
+
 
 @dataclass
 class Outcome:
@@ -62,7 +68,10 @@ class Outcome:
     map_path: str | None = None
     metrics: list[tuple] = field(default_factory=list)  # (kind, plan, task, length, region, value, n)
     ruler_ci: dict | None = None  # {"lo", "hi", "n"} of the paired delta's 95% CI; None: judged on the mean
-    speedup_measured: bool = True  # False: not timed (it failed the constraint first); `speedup` is the FLOP bound
+    speedup_measured: bool = True  # False: not timed; `speedup` is the prediction (or, without a model, the FLOP bound)
+    speedup_predicted: float | None = None  # the calibrated TTFT model's speed-up (`ridgefill.ttft_model`)
+    speedup_bound: float | None = None  # the FLOP bound at the TTFT lengths
+    speedup_invalid: bool = False  # per-trial timing above its FLOP bound twice: recorded, never used
 
 
 Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
@@ -236,6 +245,11 @@ def finish(study: optuna.Study, trial: optuna.Trial, out: Outcome | BaseExceptio
     trial.set_user_attr("metrics", [list(m) for m in out.metrics])
     if not out.speedup_measured:
         trial.set_user_attr("speedup_measured", False)
+    for name in ("speedup_predicted", "speedup_bound"):
+        if getattr(out, name) is not None:
+            trial.set_user_attr(name, float(getattr(out, name)))
+    if out.speedup_invalid:
+        trial.set_user_attr("speedup_invalid", True)
     study.tell(trial, [float(out.ruler_delta), float(out.speedup)])
 
 
@@ -308,15 +322,37 @@ def best_feasible_speedup(study: optuna.Study, max_drop: float) -> float | None:
     """The front's fastest point so far (None: no feasible trial yet): what a new trial must come near to be
     promoted to more RULER samples (`objectives.promoted`)."""
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    ups = [t.values[1] for t in done if feasible(t, max_drop)]
+    ups = [t.values[1] for t in done if feasible(t, max_drop) and usable(t)]
     return max(ups) if ups else None
+
+
+def speedup_source(t: FrozenTrial) -> str | None:
+    """Where a complete trial's speed-up objective comes from: "predicted" (the calibrated TTFT model),
+    "measured" (per-trial timing), "invalid" (a timing above its FLOP bound: never used) or None (not timed:
+    the FLOP bound stands in, it steers nothing)."""
+    if t.state != TrialState.COMPLETE:
+        return None
+    a = t.user_attrs
+    if a.get("speedup_invalid"):
+        return "invalid"
+    if a.get("speedup_measured") is not False:
+        return "measured"
+    return "predicted" if a.get("speedup_predicted") is not None else None
+
+
+def usable(t: FrozenTrial) -> bool:
+    """A trial whose speed-up may rank it: predicted or measured, never an invalid timing."""
+    return speedup_source(t) != "invalid"
+
+
+def ranked_speedup(t: FrozenTrial) -> float | None:
+    """The speed-up a trial is ranked and shown by: predicted or measured (None: not timed, or invalid)."""
+    return t.values[1] if speedup_source(t) in ("predicted", "measured") else None
 
 
 def measured_speedup(t: FrozenTrial) -> float | None:
     """A complete trial's measured TTFT speed-up (None: not complete, or not timed because it could not pass)."""
-    if t.state != TrialState.COMPLETE or t.user_attrs.get("speedup_measured") is False:
-        return None
-    return t.values[1]
+    return t.values[1] if speedup_source(t) == "measured" else None
 
 
 def params_of(t: FrozenTrial) -> dict:
@@ -334,13 +370,16 @@ def record_of(study_name: str, t: FrozenTrial, max_drop: float) -> TrialRecord:
         state=t.state.name,
         params=params_of(t),
         ruler_delta=t.values[0] if done else None,
-        speedup=measured_speedup(t),
+        speedup=ranked_speedup(t),
         dnll=t.user_attrs.get("dnll"),
         feasible=feasible(t, max_drop) if done else None,
         map_path=t.user_attrs.get("map_path"),
         seconds=t.user_attrs.get("seconds"),
         metrics=metrics,
         ruler_ci=t.user_attrs.get("ruler_ci"),
+        speedup_predicted=t.user_attrs.get("speedup_predicted"),
+        speedup_bound=t.user_attrs.get("speedup_bound"),
+        speedup_source=speedup_source(t),
     )
 
 

@@ -142,9 +142,23 @@ class Nll(_Strict):
 
 
 class Ttft(_Strict):
+    """Paired TTFT: trials are ranked by a TTFT model calibrated at the study's start (`ridgefill.ttft_model`),
+    and the chosen map is certified by timing it on the serving engine. `repeats` is the fewest paired rounds,
+    `max_repeats` the cap, `target` the 95% CI half-width (relative) at which a ratio stops; `per_trial`
+    times every trial instead (its wall-clock ratio is the objective)."""
+
     lengths: list[Pos] = Field(min_length=1)
     repeats: Pos = 3
     warmup: Annotated[int, Field(ge=0)] = 1
+    max_repeats: Pos = 12
+    target: Annotated[float, Field(gt=0, lt=1)] = 0.03
+    per_trial: bool = False
+
+    @model_validator(mode="after")
+    def _cap(self) -> Ttft:
+        if self.max_repeats < self.repeats:
+            raise ValueError(f"max_repeats ({self.max_repeats}) must be >= repeats ({self.repeats})")
+        return self
 
 
 class Objectives(_Strict):

@@ -23,6 +23,7 @@ from ridgefill.objectives import Evaluation, Timing
 from ridgefill.search import Outcome, Params
 from ridgefill.steps import fit_trial, shared_model
 from ridgefill.study import Study
+from ridgefill.ttft_model import TTFTModel
 from tasks import CACHED
 
 
@@ -34,6 +35,7 @@ class TrialContext:
     capture: str
     maps: str
     front: float | None = None  # the best feasible speed-up when the trial starts (None: none feasible yet)
+    ttft: TTFTModel | None = None  # the study's calibrated TTFT model; None (or `ttft.per_trial`): time each trial
 
 
 @task(cache_policy=NO_CACHE)
@@ -99,27 +101,43 @@ def measure_ttft(path: str, dtype: str, device: str, params: Params, maps: MapSe
 
 @task(cache_policy=NO_CACHE)
 def serve_vllm(
-    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, promote: dict | None = None
-) -> dict:
-    """The trial's RULER (a batch per task x length), paired TTFT and, when the first samples clear the
-    promotion bar, the further samples: served by one vLLM engine."""
+    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, promote: dict | None = None,
+    speedup: float | None = None,
+) -> dict:  # fmt: skip
+    """The trial's RULER (a batch per task x length), paired TTFT (none when `speedup` is predicted) and, when the
+    first samples clear the promotion bar, the further samples: served by one vLLM engine."""
     lm, tok = shared_model(path, dtype, device)
-    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg, promote)
+    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg, promote, speedup)
 
 
 @task(cache_policy=NO_CACHE)
 def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: Study) -> Outcome:
-    """fit -> RULER and TTFT -> more RULER samples when promoted -> paired delta and dNLL, for one trial."""
+    """fit -> RULER and TTFT -> more RULER samples when promoted -> paired delta and dNLL, for one trial. With the
+    study's calibrated TTFT model (`ctx.ttft`) the speed-up is its prediction and nothing is timed."""
     m = (ctx.path, cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx.maps) / f"trial-{number:04d}")
     maps = fit(ctx.capture, *m, params, out)  # verified once, as written: passed along, never re-hashed here
     r, max_drop = cfg.objectives.ruler, cfg.constraints.max_ruler_drop
     bar = objectives.promotion_bar(r, ctx.front, max_drop)
+    pred = None
+    if ctx.ttft is not None and not cfg.objectives.ttft.per_trial:
+        pred = objectives.predicted(ctx.ttft, params, cfg.objectives.ttft.lengths)
     if cfg.engine == "vllm":  # one engine serves the trial's RULER, TTFT and, promoted, its further samples
         gate = {"bar": bar, "exact": exact["samples"], "max_drop": max_drop}
-        served = serve_vllm(*m, params, maps, cfg, gate)
+        served = serve_vllm(*m, params, maps, cfg, gate, pred.speedup if pred else None)
         ruler, promote = served["ruler"], served["promoted"]
-        tt = Timing.of(served["ttft"]) if served["ttft"] else bound(m, params, cfg)
+        if pred is None:
+            tt = timed(m, params, maps, cfg, Timing.of(served["ttft"])) if served["ttft"] else bound(m, params, cfg)
+        else:
+            tt = pred
+    elif pred is not None:  # the speed-up is known before anything runs: RULER alone decides the rest
+        tt = pred
+        ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
+        promote = not objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed) and (
+            objectives.promoted(bar, ruler["samples"], exact["samples"], pred.speedup)
+        )
+        if promote:
+            ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
     else:
         ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
         tt, promote = None, False
@@ -127,16 +145,33 @@ def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: 
             tt = bound(m, params, cfg)  # infeasible whatever its speed: not timed
         else:
             if needs_speed(bar):  # a front exists: promotion asks how fast the trial is
-                tt = measure_ttft(*m, params, maps, cfg)
+                tt = timed(m, params, maps, cfg)
             promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup if tt else 0.0)
         if promote:
             ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
         if tt is None:  # timed only when it passes on every sample it scored
             fail = objectives.fails(ruler["samples"], exact["samples"], max_drop, r.seed)
-            tt = bound(m, params, cfg) if fail else measure_ttft(*m, params, maps, cfg)
-    ev = evaluate(*m, params, maps, exact, cfg, ruler, nll=tt.measured)  # no dNLL either for a trial out of reach
+            tt = bound(m, params, cfg) if fail else timed(m, params, maps, cfg)
+    reachable = tt.measured or (pred is not None and not objectives.fails(ruler["samples"], exact["samples"],
+                                                                          max_drop, r.seed))  # fmt: skip
+    ev = evaluate(*m, params, maps, exact, cfg, ruler, nll=reachable)  # no dNLL for a trial out of reach
     ci = ev.ruler_ci | {"promoted": promote}  # n says how many pairs the constraint judged
-    return Outcome(ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci, tt.measured)
+    return Outcome(
+        ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci, tt.measured, tt.predicted,
+        tt.flop_bound, tt.invalid,
+    )  # fmt: skip
+
+
+def timed(m: tuple, params: Params, maps: MapSet, cfg: Study, first: Timing | None = None) -> Timing:
+    """A per-trial timing checked against its FLOP bound: one whose CI lies wholly above the bound is measured
+    once more, and if still above it is recorded as invalid (speed-up 1.0: it ranks nothing)."""
+    config = shared_model(*m)[0].config
+    tt = (first or measure_ttft(*m, params, maps, cfg)).checked(config, params)
+    if tt.invalid:
+        tt = measure_ttft(*m, params, maps, cfg).checked(config, params)
+    if tt.invalid:
+        return Timing(1.0, tt.rows, True, None, tt.flop_bound, True)
+    return tt
 
 
 def bound(m: tuple, params: Params, cfg: Study) -> Timing:

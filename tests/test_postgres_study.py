@@ -37,7 +37,7 @@ TINY_STUDY = {
     "search": {"splits": [2, 3], "lam": [1e-3, 1e-1], "tails": [16, 32], "share": [0.0, 0.1]},
     "objectives": {
         "ruler": {"tasks": ["niah_single_1"], "lengths": [512], "samples": 1, "promote": 2},
-        "ttft": {"lengths": [256], "repeats": 1, "warmup": 0},
+        "ttft": {"lengths": [256], "repeats": 1, "warmup": 0, "per_trial": True},  # orchestration, not timing
     },
     "constraints": {"max_ruler_drop": 10},
     "budget": {"trials": BUDGET},

@@ -78,3 +78,21 @@ def paired_ttft(engine: Engine, ids: torch.Tensor, plan: FillPlan, repeats: int 
         "exact_s": exact,
         "fill_s": fill,
     }
+
+
+def plan_of(point, maps) -> FillPlan:
+    """The FillPlan of a `ttft_model.Point`: exact, or ridge with the point's split's maps (`maps[split]`)."""
+    if point.split is None:
+        return FillPlan()
+    return FillPlan("ridge", point.split, maps[point.split], **point.rows.as_dict())
+
+
+def point_timer(engine: Engine, maps, vocab_size: int, device: torch.device | str = "cpu"):
+    """A `ttft_model.Timer` on an engine: the TTFT of `random_prompt(n)` under a point (maps: split -> MapSet)."""
+    prompts: dict[int, torch.Tensor] = {}
+
+    def timer(point, n: int) -> float:
+        ids = prompts.setdefault(n, random_prompt(vocab_size, n).to(device))
+        return engine(ids, plan_of(point, maps))
+
+    return timer

@@ -15,12 +15,15 @@ import os
 import time
 from pathlib import Path
 
+from ridgefill.runtime import FillPlan
+
 
 def engine_length(job: dict) -> int:
     """The context the engine needs: RULER keeps prompt + generated tokens within each length."""
     need = list(job["ruler"]["lengths"]) if job.get("ruler") else []
-    if job.get("ttft"):
-        need += [n + 16 for n in job["ttft"]["lengths"]]
+    for timed in ("ttft", "calibrate"):
+        if job.get(timed):
+            need += [n + 16 for n in job[timed]["lengths"]]
     return max(need)
 
 
@@ -64,9 +67,15 @@ def run_job(job: dict) -> dict:
         out["seconds"]["ruler"] = time.perf_counter() - t
     from ridgefill.evals.paired import cannot_pass, fails, needs_speed
 
+    if job.get("calibrate"):
+        out["calibrate"] = _calibrate(llm, job["calibrate"])
+    promote = job.get("promote") if ruler else None
+    if job.get("speedup") is not None:  # predicted (`ridgefill.ttft_model`): nothing is timed on this engine
+        if promote is not None and not _gate(job, out, cannot_pass):
+            _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=job["speedup"])
+        return out
     if not job.get("ttft") or _gate(job, out, cannot_pass):
         return out
-    promote = job.get("promote") if ruler else None
     speed_decides = promote is not None and needs_speed(promote["bar"])
     if promote is not None and not speed_decides:
         _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=0.0)
@@ -133,6 +142,32 @@ def _ttft(llm, t: dict) -> dict:
         res[str(n)] = paired_ttft(run, random_prompt(vocab, n), plan, t.get("repeats", 3), t.get("warmup", 1))
         res[str(n)]["seconds"] = time.perf_counter() - start
     return res
+
+
+def _calibrate(llm, spec: dict) -> list[dict]:
+    """Paired, alternating TTFT of exact and each row policy of `spec["policies"]` on this engine's split
+    (`ridgefill.ttft_model.measure`): the measured ratios, JSON-ready."""
+    from dataclasses import asdict
+
+    from ridgefill.evals.ttft import random_prompt
+    from ridgefill.rows import RowPolicy
+    from ridgefill.ttft_model import Point, measure
+    from ridgefill.vllm_plugin.offline import serve_rows, served_model, ttft_engine
+
+    run, state = ttft_engine(llm), served_model(llm).ridgefill
+    vocab = llm.get_tokenizer().vocab_size
+    exact_plan, served = FillPlan(), FillPlan(state.mode, state.split, state.maps)
+    prompts: dict[int, object] = {}
+
+    def timer(point: Point, n: int) -> float:
+        if point.split is not None:
+            serve_rows(llm, point.rows)
+        ids = prompts.setdefault(n, random_prompt(vocab, n))
+        return run(ids, exact_plan if point.split is None else served)
+
+    points = [Point(state.split, RowPolicy(**p)) for p in spec["policies"]]
+    knobs = {k: spec[k] for k in ("min_rounds", "max_rounds", "target", "warmup") if k in spec}
+    return [asdict(r) for r in measure(timer, points, spec["lengths"], **knobs)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,6 +123,22 @@ def ttft_engine(llm):
     return run
 
 
+def serve_rows(llm, rows) -> None:
+    """Serve another row policy (`ridgefill.rows.RowPolicy`) on the same engine and maps, so a calibration times
+    several policies of one split paired against exact; only between requests (the classifier holds per-request
+    state)."""
+    from ridgefill.vllm_plugin.batch import RowClassifier
+    from ridgefill.vllm_plugin.config import QuestionRows
+
+    state = served_model(llm).ridgefill
+    rows.check("ridgefill_")
+    question = None
+    if rows.select == "question" and rows.share > 0:
+        question = QuestionRows(rows.query, rows.window, rows.score_layers, rows.reach)
+    state.classifier = RowClassifier(rows.sink, rows.tail, rows.share, state.maps.scores, question=question is not None)
+    state.question = question
+
+
 def tail_of(state) -> int:
     """Prompt tokens always run exact (sink + tail): a prompt no longer than this has no bulk rows."""
     return state.classifier.sink + state.classifier.tail
