@@ -220,8 +220,9 @@ def _speed(cert: Mapping | None) -> str:
     threads = cond.get("threads", "?")
     return f"""Time to first token, measured on **{t["engine"]}** ({t["dtype"]}, {t["device"]}; {threads}
 threads, load average {cond.get("load_1m", "?")} at the start), exact and this map alternating on one engine, paired
-rounds until the 95% CI half-width was within {t["target"]:.0%} or {t["max_rounds"]} rounds: **{t["speedup"]:.3f}x**
-[{t["lo"]:.3f}, {t["hi"]:.3f}] over the exact prefill, against a FLOP bound of {t["bound"]:.3f}x.{pred}
+rounds until the 95% CI half-width was within {t["target"]:.0%} or {t["max_rounds"]} rounds:
+**{t["speedup"]:.3f}x** [{t["lo"]:.3f}, {t["hi"]:.3f}] over the exact prefill, against a FLOP bound of
+{t["bound"]:.3f}x.{pred}
 {t.get("note") or ""}
 
 | prompt tokens | speed-up [95% CI] | rounds | FLOP bound |

@@ -251,22 +251,75 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     )
     tt = study.objectives.ttft
     rate = r.prefill if study.engine == "vllm" else r.prefill_hf
-    e.trial["TTFT"] = sum(
-        (tt.warmup + tt.repeats) * prefill_flops(shape, n) * (1 + 1 / speedup_bound(shape, n, max(s.splits),
-                                                                                     s.sink + min(s.tails)))
-        / rate for n in tt.lengths
-    )  # fmt: skip
-    say(f"trial TTFT: ({tt.warmup} warm-up + {tt.repeats}) x (exact + fill) at {tt.lengths}: {e.trial['TTFT']:.1f} s")
+    if tt.per_trial:
+        e.trial["TTFT"] = sum(
+            (tt.warmup + tt.repeats) * prefill_flops(shape, n) * (1 + 1 / speedup_bound(shape, n, max(s.splits),
+                                                                                         s.sink + min(s.tails)))
+            / rate for n in tt.lengths
+        )  # fmt: skip
+        say(f"trial TTFT: ({tt.warmup} warm-up + {tt.repeats}) x (exact + fill) at {tt.lengths}: "
+            f"{e.trial['TTFT']:.1f} s")  # fmt: skip
+    else:
+        _calibration(study, shape, r, e)
     if study.certify is not None:  # the exact side (once per weights) and the chosen map, at exact's cost (a bound)
         cert, lines = _ruler_s(study, shape, r, b, 1.0, spec=study.certify.ruler())
         e.phases["certification"] = 2 * (base_start + cert)
         say(f"certification (exact + the chosen map, {study.engine}): 2 x {base_start + cert:.1f} s")
         e.lines += lines
+        _certified_ttft(study, shape, r, e)
     say(
         f"trial: {e.per_trial:.1f} s; {e.trials} trials, {e.parallel} at a time: "
         f"{math.ceil(e.trials / e.parallel) * e.per_trial:.1f} s"
     )
     return e
+
+
+def _timing_model(study: Study, shape: Shape, r: Rates, engine: str):
+    """The TTFT model the estimate times with: `ttft_model.from_rate` at the engine's prefill rate."""
+    from ridgefill.ttft_model import from_rate
+
+    rate = r.prefill if engine == "vllm" else r.prefill_hf
+    return from_rate(shape, rate, engine, study.hardware.device, study.model.dtype)
+
+
+def _rounds_s(model, points, lengths, rounds: int) -> float:
+    """Seconds of `rounds` paired rounds (exact, then every point) at every length."""
+    from ridgefill.ttft_model import EXACT
+
+    return rounds * sum(model.seconds(n, EXACT) + sum(model.seconds(n, p) for p in points) for n in lengths)
+
+
+def _calibration(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
+    """The TTFT model's calibration before the trials: exact and the search space's corners and centre, paired,
+    up to `max_repeats` rounds (+ warm-up) at the TTFT lengths, an engine per split on vLLM; trials time nothing."""
+    from ridgefill.objectives import calibration_points
+
+    tt, points = study.objectives.ttft, calibration_points(study)
+    model = _timing_model(study, shape, r, study.engine)
+    starts = len({p.split for p in points}) * r.engine_start if study.engine == "vllm" else 0.0
+    e.phases["TTFT calibration"] = starts + _rounds_s(model, points, tt.lengths, tt.warmup + tt.max_repeats)
+    e.trial["TTFT"] = 0.0
+    e.lines.append(
+        f"TTFT calibration ({study.engine}): exact + {len(points)} points x ({tt.warmup} warm-up + {tt.repeats} to "
+        f"{tt.max_repeats} rounds) at {tt.lengths}, at most {e.phases['TTFT calibration']:.1f} s; each trial's TTFT "
+        "is then predicted (0 s)"
+    )
+
+
+def _certified_ttft(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
+    """The chosen map's certified TTFT on the serving engine: up to `max_repeats` paired rounds (+ warm-up), the
+    map's time from the same TTFT model at the search space's centre."""
+    from ridgefill.objectives import calibration_points, serving_engine
+
+    tt, engine = study.objectives.ttft, serving_engine(study)
+    model = _timing_model(study, shape, r, engine)
+    centre = calibration_points(study)[-1]
+    start = r.engine_start if engine == "vllm" else 0.0
+    e.phases["certified TTFT"] = start + _rounds_s(model, [centre], tt.lengths, tt.warmup + tt.max_repeats)
+    e.lines.append(
+        f"certified TTFT ({engine}): exact + the chosen map ({centre.label()} as a stand-in) x up to "
+        f"{tt.warmup + tt.max_repeats} rounds at {tt.lengths}: at most {e.phases['certified TTFT']:.1f} s"
+    )
 
 
 def report(study: Study, e: Estimate) -> str:

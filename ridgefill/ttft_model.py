@@ -13,7 +13,8 @@ The model: TTFT(n, config) = sum_k c_k * x_k, with the row classes
 - `overhead`: 1 per request.
 Calibration measures exact and each corner paired and alternating (one round = exact, then every corner), per
 TTFT length, until each ratio's 95% CI half-width is at most `target` or `max_rounds` is reached. Each corner's
-time is taken as exact's median over the run divided by its paired ratio, so drift between rounds cancels.
+time is taken as exact's median divided by its paired ratio, so drift between rounds (and between the engines
+of a vLLM calibration, one per split) cancels.
 The coefficients are a non-negative least-squares fit (`scipy.optimize.nnls`) of relative error.
 """
 
@@ -94,7 +95,7 @@ class Ratio:
     hi: float
     rounds: int
     exact_s: float  # exact's median over the whole run at this length
-    point_s: float  # the point's time as the fit sees it: exact_s / ratio
+    point_s: float  # exact_s / ratio
 
     @property
     def half_width(self) -> float:
@@ -216,14 +217,14 @@ def fit(
                 f"{m.point.label()} at {m.length} tokens measured {m.ratio:.3f}x [{m.lo:.3f}, {m.hi:.3f}], above its "
                 f"FLOP bound {b:.3f}x: the timing is wrong (another load on the machine?); rerun the calibration"
             )
-    rows, times = [], []
-    for n in sorted({m.length for m in ratios}):
-        exact = next(m.exact_s for m in ratios if m.length == n)
+    rows, times, exact = [], [], {}
+    for n in sorted({m.length for m in ratios}):  # one exact time per length: the runs' (one per vLLM engine) mean
+        exact[n] = float(np.exp(np.mean(np.log(sorted({m.exact_s for m in ratios if m.length == n})))))
         rows.append(features(shape, n, EXACT))
-        times.append(exact)
-    for m in ratios:
+        times.append(exact[n])
+    for m in ratios:  # each point as its paired ratio says, against that common exact time
         rows.append(features(shape, m.length, m.point))
-        times.append(m.point_s)
+        times.append(exact[m.length] / m.ratio)
     a, t = np.array(rows), np.array(times)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
@@ -231,6 +232,13 @@ def fit(
     coef, _ = optimize.nnls(w, np.ones(len(t)))
     return TTFTModel(engine, device, dtype, shape, tuple(float(c) for c in coef / scale), tuple(ratios),
                      conditions or {})  # fmt: skip
+
+
+def from_rate(shape, rate: float, engine: str, device: str, dtype: str) -> TTFTModel:
+    """An uncalibrated model from a prefill rate (FLOP/s): every multiply-add of every class at that rate, no
+    overhead. What `ridgefill tune --plan` estimates with before any calibration has run."""
+    per = 2.0 / rate  # layer_flops counts multiply-adds
+    return TTFTModel(engine, device, dtype, shape, (per, per, per, 0.0, 0.0), (), {"source": "rates (uncalibrated)"})
 
 
 def checked(model: TTFTModel) -> TTFTModel:

@@ -152,3 +152,68 @@ def test_real_small_certification_on_smollm2(smollm2):
         assert cert["passed"] == (cert["ci_lo"] >= -10.0)
         if plan.mode == "plumb":
             assert cert["delta"] == cert["ci_lo"] == cert["ci_hi"] == 0.0 and cert["passed"]
+
+
+def ttft_block(speedup: float, bound: float, lo: float | None = None, hi: float | None = None) -> dict:
+    """A certified TTFT as `objectives.certified_ttft` gives it (vLLM, 2K)."""
+    lo, hi = lo or speedup * 0.98, hi or speedup * 1.02
+    per = [{"length": 2048, "speedup": speedup, "lo": lo, "hi": hi, "rounds": 9, "bound": bound, "exact_s": 3.1}]
+    return {
+        "engine": "vllm", "dtype": "float32", "device": "cpu", "lengths": [2048], "speedup": speedup, "lo": lo,
+        "hi": hi, "bound": bound, "rounds": 9, "target": 0.03, "max_rounds": 12, "predicted": 1.28,
+        "per_length": per, "conditions": {"threads": 2, "load_1m": 0.4}, "valid": lo <= bound, "note": None,
+    }  # fmt: skip
+
+
+def test_a_certified_ttft_above_its_flop_bound_fails_the_certificate(chosen, caplog):
+    """1.405x measured against a 1.21x bound is a wrong timing: the certificate fails, says why, and the map is
+    not published; a timing under its bound leaves the RULER verdict as it was."""
+    db, folder = chosen
+    ok = certify.with_ttft(cert_of(GOOD, trial=2), ttft_block(1.20, 1.36))
+    assert ok["passed"] and ok["ttft"]["valid"]
+    with caplog.at_level(logging.ERROR, logger="ridgefill.certify"):
+        bad = certify.with_ttft(cert_of(GOOD, trial=2), ttft_block(1.405, 1.214))
+    assert not bad["passed"] and "FLOP bound" in bad["rule"]
+    assert "certified TTFT INVALID" in caplog.text and "1.405x" in caplog.text and "bound 1.214x" in caplog.text
+    with Recorder(db) as rec:
+        assert certify.gate(rec, bad, _publish(db, folder)) is None
+    assert LocalBackend().list() == []
+
+
+def test_the_card_carries_only_the_certified_ttft(chosen, tiny_models, tokenizer):
+    """The card's speed is the certificate's: engine, n (rounds), CI and the FLOP bound beside it, in the
+    model-index and the body; the search-time speed-up of the trial (1.3 in its rows) appears nowhere."""
+    db, folder = chosen
+    with Recorder(db) as rec:
+        pub = certify.gate(rec, certify.with_ttft(cert_of(GOOD, trial=2), ttft_block(1.25, 1.36)), _publish(db, folder))
+    card = ModelCard.load(pull(pub.repo_id, "smol", tiny_models["llama"], tokenizer).path / "README.md")
+    index = card.data.to_dict()["model-index"][0]["results"]
+    [entry] = [r for r in index if r["dataset"]["type"] == "ttft"]
+    assert entry["dataset"]["config"] == "certify" and entry["dataset"]["args"]["engine"] == "vllm"
+    assert entry["dataset"]["args"]["rounds"] == 9 and entry["dataset"]["args"]["lengths"] == [2048]
+    m = {x["name"]: x for x in entry["metrics"]}
+    assert m["certified"]["value"] == pytest.approx(1.25) and m["certified"]["args"]["n"] == 9
+    assert m["certified"]["args"]["ci95"] == [pytest.approx(1.225), pytest.approx(1.275)]
+    assert m["flop_bound"]["value"] == pytest.approx(1.36) and m["certified"]["value"] <= m["flop_bound"]["value"]
+    assert "**1.250x** [1.225, 1.275]" in card.text and "measured on **vllm**" in card.text
+    assert "FLOP bound of\n1.360x" in card.text and "predicted 1.280x" in card.text
+    assert all(x["value"] != pytest.approx(1.3) for r in index for x in r["metrics"] if r["dataset"]["type"] == "ttft")
+
+
+def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer, tmp_path, monkeypatch):
+    """A real paired timing of a map folder on the transformers runtime (vLLM stands aside here): rounds between
+    the study's repeats and cap, a CI around the ratio, the FLOP bound and the prediction beside it."""
+    from ridgefill.search import Params
+    from ridgefill.study import load_study
+    from tests.test_tuning import STUDY
+
+    model = tiny_models["llama"]
+    folder = make_maps(model, tokenizer, tmp_path / "maps")
+    cfg = load_study(STUDY, {"objectives": {"ttft": {"lengths": [512], "repeats": 2, "max_repeats": 3, "warmup": 0}}})
+    monkeypatch.setattr(objectives, "serving_engine", lambda cfg: "transformers")
+    params = Params(2, 1e-3, 8, 0.0, 4)
+    t = objectives.certified_ttft(model, tokenizer, params, str(folder), cfg, 1.1)
+    assert t["engine"] == "transformers" and "vLLM is not installed" in t["note"]
+    assert 2 <= t["rounds"] <= 3 and t["lo"] <= t["speedup"] <= t["hi"] and t["predicted"] == 1.1
+    assert t["bound"] > 1.0 and t["valid"] == (t["lo"] <= t["bound"])
+    assert certify.ttft_line(t).startswith("certified TTFT ") and "transformers" in certify.ttft_line(t)

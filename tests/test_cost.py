@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ridgefill import cost
+from ridgefill import cost, objectives
 from ridgefill.capture import stats_bytes
 from ridgefill.cli import app
 from ridgefill.evals.ruler import SPECS
 from ridgefill.study import load_study
+from ridgefill.ttft_model import EXACT, features
 
 STUDIES = Path(__file__).resolve().parents[1] / "studies"
 # a round-number machine, so the expected seconds below can be worked by hand
@@ -125,9 +126,24 @@ def test_smollm2_study_arithmetic():
     one += c.samples * sum(SPECS[t].max_new_tokens for t in c.tasks) * step2k
     assert e.phases["certification"] == pytest.approx(2 * one)
     assert e.trial["engine start"] == 0.0  # the transformers engine starts nothing
-    # TTFT: (1 warm-up + 3 repeats) x (exact + fill at the least-saving corner S=22, tail 64) at 2K
+    # TTFT timed per trial (ttft.per_trial): (1 warm-up + 3 repeats) x (exact + fill at the least-saving corner
+    # S=22, tail 64) at 2K
+    timed = cost.estimate(load_study(STUDIES / "smollm2-135m.yaml", {"objectives": {"ttft": {"per_trial": True}}}),
+                          sh, FLAT)  # fmt: skip
     fill = cost.speedup_bound(sh, 2048, 22, 4 + 64)
-    assert e.trial["TTFT"] == pytest.approx(4 * cost.prefill_flops(sh, 2048) * (1 + 1 / fill) / 5e10)
+    assert timed.trial["TTFT"] == pytest.approx(4 * cost.prefill_flops(sh, 2048) * (1 + 1 / fill) / 5e10)
+    assert "TTFT calibration" not in timed.phases
+    # calibrated (the default): trials time nothing; exact and the 5 calibration points, (warm-up + max_repeats)
+    # rounds at 2K, every multiply-add at the transformers rate; the certified TTFT times exact + one map
+    tt = st.objectives.ttft
+    pts = objectives.calibration_points(st)
+    secs = [2 * float(features(sh, 2048, p)[:3].sum()) / 5e10 for p in (EXACT, *pts)]
+    assert e.trial["TTFT"] == 0.0 and len(pts) == 5
+    assert e.phases["TTFT calibration"] == pytest.approx((tt.warmup + tt.max_repeats) * sum(secs))
+    serving = objectives.serving_engine(st)  # vLLM where it is installed
+    rate, start = (FLAT.prefill, FLAT.engine_start) if serving == "vllm" else (FLAT.prefill_hf, 0.0)
+    exact = secs[0] * 5e10 / rate
+    assert exact < (e.phases["certified TTFT"] - start) / (tt.warmup + tt.max_repeats) < 2 * exact
 
 
 def test_warm_up_measures_rates_on_a_tiny_model(tiny_models):

@@ -1,0 +1,105 @@
+"""The study's TTFT model on one engine: its calibration table, and its error at held-out configs timed apart.
+
+Runs what the tune flow runs before its trials (`objectives.calibrate`: maps fitted at the corner splits, exact
+and the search space's corners and centre timed paired and alternating until each ratio's 95% CI half-width is
+within `ttft.target` or `ttft.max_repeats`, an NNLS fit, the check against its own points), then times
+`--heldout` configs drawn from the search space (seeded) in a separate paired run, and compares them with the
+model's prediction. Prints a markdown table and writes JSON with every point.
+
+    python bench/ttft_calibration.py studies/smollm2-135m.yaml --engine transformers --length 2048 --length 4096
+    python bench/ttft_calibration.py studies/smollm2-135m.yaml --engine vllm --length 2048 --out r/cal_vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from ridgefill import objectives
+from ridgefill.cost import Shape
+from ridgefill.steps import load_model, model_path, run_capture
+from ridgefill.study import load_study
+from ridgefill.ttft_model import CalibrationError, Point, bound, checked, conditions, fit
+
+
+def heldout_points(cfg, k: int, seed: int) -> list[Point]:
+    """k configs drawn from the study's search space (split, tail, share), none of them a calibration point."""
+    rng, s = random.Random(seed), cfg.search
+    rows = objectives.search_rows(cfg)
+    taken = set(objectives.calibration_points(cfg))
+    out: list[Point] = []
+    while len(out) < k:
+        p = Point(rng.choice(s.splits), rows.given(tail=rng.choice(s.tails), share=round(rng.uniform(*s.share), 3)))
+        if p not in taken and p not in out:
+            out.append(p)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", type=Path)
+    ap.add_argument("--engine", default=None, help="transformers | vllm (default: the study's)")
+    ap.add_argument("--length", type=int, action="append", help="TTFT lengths (default: the study's)")
+    ap.add_argument("--max-repeats", type=int, default=None)
+    ap.add_argument("--heldout", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ridgefill-ttft-calibration"))
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    ttft = {"lengths": a.length} if a.length else {}
+    if a.max_repeats:
+        ttft["max_repeats"] = a.max_repeats
+    over = {"objectives": {"ttft": ttft}} | ({"engine": a.engine} if a.engine else {})
+    cfg = load_study(a.study, over)
+    if cfg.hardware.threads:
+        import torch
+
+        torch.set_num_threads(cfg.hardware.threads)
+    lm, tok = load_model(model_path(cfg.model.local or cfg.model.repo))
+    cal = cfg.calibration
+    cap = run_capture(lm, tok, cal.source, sorted(cfg.search.splits), window=cal.window, max_windows=cal.max_windows,
+                      heldout=cal.heldout, root=a.work, progress=False)  # fmt: skip
+    t0 = time.perf_counter()
+    points = objectives.calibration_points(cfg)
+    maps = objectives.calibration_maps(lm, tok, str(cap.path), cfg, sorted(cfg.search.splits), a.work / "maps")
+    before = conditions()
+    ratios = objectives.time_points(lm, maps, points, cfg, cfg.engine)
+    shape = Shape.of(lm.config.to_dict())
+    model = fit(shape, ratios, cfg.engine, cfg.hardware.device, cfg.model.dtype, before)
+    cal_s = time.perf_counter() - t0
+    try:
+        checked(model)
+        verdict = "model explains every calibration point within its CI"
+    except CalibrationError as e:
+        verdict = f"REFUSED: {e}"
+    held = heldout_points(cfg, a.heldout, a.seed)
+    t1 = time.perf_counter()
+    measured = objectives.time_points(lm, maps, held, cfg, cfg.engine)
+    held_s = time.perf_counter() - t1
+    rows = model.table()
+    for m in measured:
+        pred = model.ratio(m.length, m.point)
+        rows.append({
+            "point": "held-out " + m.point.label(), "length": m.length, "measured": m.ratio, "lo": m.lo, "hi": m.hi,
+            "rounds": m.rounds, "predicted": pred, "error": pred / m.ratio - 1,
+            "bound": bound(shape, m.length, m.point), "exact_s": m.exact_s,
+        })  # fmt: skip
+    print(f"engine {cfg.engine}, lengths {cfg.objectives.ttft.lengths}, conditions {before}; {verdict}")
+    coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
+    print(f"calibration {cal_s:.0f} s, held-out run {held_s:.0f} s; coefficients (s per unit): {coef}")
+    print("| point | tokens | measured [95% CI] | rounds | predicted | error | FLOP bound | exact s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['point']} | {r['length']} | {r['measured']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {r['rounds']} | "
+              f"{r['predicted']:.3f} | {r['error']:+.1%} | {r['bound']:.3f} | {r['exact_s']:.2f} |")  # fmt: skip
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        blob = model.as_dict() | {"rows": rows, "verdict": verdict, "calibration_s": cal_s, "heldout_s": held_s}
+        Path(str(a.out) + ".json").write_text(json.dumps(blob, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
