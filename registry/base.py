@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ridgefill.maps import DIGEST, DOCS, MANIFEST, read_manifest, verify_files
+from ridgefill.maps import DIGEST, DOCS, HUB_FILES, MANIFEST, read_manifest, verify_files
 
 CARD = "README.md"
-IGNORED = {".gitattributes", ".gitignore"}  # added or kept by the Hub itself; never part of a map
+IGNORED = HUB_FILES  # added or kept by the Hub itself; never part of a map
 
 
 class RegistryError(RuntimeError):

@@ -16,12 +16,11 @@ from pathlib import Path
 import httpx2
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from registry.base import IGNORED, Backend, Publication, RegistryError
+from registry.base import Backend, Publication, RegistryError
 from registry.card import EMBEDDED_BASE
 from ridgefill.default_model import DEFAULT_MODEL_NAME
 from ridgefill.maps import (
     DIGEST,
-    DOCS,
     MANIFEST,
     MapError,
     MapSet,
@@ -44,10 +43,7 @@ def verify_snapshot(path: Path, model=None, tokenizer=None, manifest_sha256: str
             f"{path}: {MANIFEST} has {DIGEST} {manifest[DIGEST][:12]}, the publication recorded "
             f"{manifest_sha256[:12]}; pull the published commit, or publish these maps"
         )
-    verify_files(path, manifest)
-    extra = sorted({p.name for p in path.iterdir()} - set(manifest["files"]) - {MANIFEST} - set(DOCS) - IGNORED)
-    if extra:
-        raise MapError(f"{path}: files not listed in the manifest: {', '.join(extra)}")
+    verify_files(path, manifest)  # unlisted files too
     if model is not None:
         if tokenizer is None:
             raise ValueError("checking maps against a model needs its tokenizer too")

@@ -43,6 +43,7 @@ SCORES = "scores.safetensors"
 DIGEST = "manifest_sha256"
 KINDS = ("ridge", "identity")
 DOCS = ("README.md",)  # never hashed: the Hub rewrites model cards
+HUB_FILES = {".gitattributes", ".gitignore"}  # added or kept by the Hub itself; never part of a map
 CREDIT = {
     "method": "RidgeFill: closed-form ridge maps fill late-layer K/V caches during prefill",
     "project": "RidgeFill",
@@ -243,8 +244,15 @@ def read_manifest(path: Path) -> dict:
 
 
 def verify_files(path: Path, manifest: dict) -> None:
-    """Refuse, by file name, anything missing or whose sha256 differs from the manifest."""
+    """Refuse, by file name, anything missing, whose sha256 differs from the manifest, or that the manifest does
+    not list (a stray `evil.pkl` beside the layers is never loaded, but a folder that holds one is not the one
+    published): every reader (`load_maps`, `inspect`, `pull`, the vLLM plugin) goes through here."""
     expected = dict(manifest.get("files", {}))
+    extra = sorted({f.name for f in Path(path).iterdir()} - set(expected) - {MANIFEST} - set(DOCS) - HUB_FILES)
+    if extra:
+        raise MapError(
+            f"{path}: files not listed in the manifest: {', '.join(extra)}; remove them, or write the folder anew"
+        )
     for idx in manifest.get("late_layers", []):
         if layer_file(idx) not in expected:
             raise MapError(f"{path}: manifest lists late layer {idx} but no hash for {layer_file(idx)}")

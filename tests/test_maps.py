@@ -153,12 +153,26 @@ def test_map_pair_shares_one_fit(tiny_models, tokenizer, essay_text, tmp_path):
     assert mr.manifest["fit"] == mi.manifest["fit"]
 
 
-def test_an_unlisted_scores_file_is_never_loaded(fitted, tmp_path):
-    """Only files the manifest lists (with their sha256) are read."""
+def test_an_unlisted_file_is_refused_by_name(fitted, tmp_path):
+    """Only files the manifest lists (with their sha256) may sit in a map folder: an unlisted scores file, or an
+    `evil.pkl` beside the layers, is refused by name by `load_maps` and `ridgefill inspect` (one line, exit 2), as
+    `pull` refuses it; the folder without it loads."""
+    from typer.testing import CliRunner
+
+    from ridgefill.cli import app
+
     _, path = fitted
     folder = _sealed(path, tmp_path / "unlisted", lambda m: m["files"].pop("scores.safetensors"))
-    assert (folder / "scores.safetensors").is_file() and load_maps(folder).scores is None
-    assert load_maps(path).scores is not None
+    with pytest.raises(MapError, match="files not listed in the manifest: scores.safetensors"):
+        load_maps(folder)
+    (folder / "scores.safetensors").unlink()
+    assert load_maps(folder).scores is None and load_maps(path).scores is not None
+    evil = _copy(path, tmp_path / "evil")
+    (evil / "evil.pkl").write_bytes(b"\x80\x04K\x01.")
+    with pytest.raises(MapError, match=r"files not listed in the manifest: evil\.pkl; remove them"):
+        load_maps(evil)
+    out = CliRunner().invoke(app, ["inspect", str(evil)])
+    assert out.exit_code == 2 and "evil.pkl" in out.output and "Traceback" not in out.output
 
 
 def _edited(src: Path, dst: Path, edit) -> Path:
