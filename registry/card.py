@@ -75,15 +75,8 @@ def certified_results(cert: Mapping | None) -> list[EvalResult]:
     if not cert:
         return []
     args = {k: cert[k] for k in ("tasks", "lengths", "samples", "haystack", "seed")}
-    common = dict(
-        task_type="text-generation",
-        task_name="RULER long-context retrieval, certified before publishing",
-        dataset_type="ruler",
-        dataset_name=f"RULER (synthetic), haystack {cert['haystack']}",
-        dataset_config="certify",
-        dataset_args=args,
-        metric_config="paired vs exact on the same samples, 95% percentile bootstrap CI",
-    )
+    task, dataset = "RULER long-context retrieval", ("ruler", f"RULER (synthetic), haystack {cert['haystack']}")
+    how = "paired vs exact on the same samples, 95% percentile bootstrap CI"
     ci = {"n": cert["n"], "ci95": [cert["ci_lo"], cert["ci_hi"]], "passed": cert["passed"], "rule": cert["rule"]}
     values = [
         ("accuracy_delta", "delta", cert["delta"], ci),
@@ -97,6 +90,16 @@ def certified_results(cert: Mapping | None) -> list[EvalResult]:
         one = {"n": c["n"], "ci95": [c["ci_lo"], c["ci_hi"]], "mcnemar_p": c["p"]}
         values.append(("accuracy_delta", f"{c['task']}/{c['length']}/delta", c["delta"], one))
         values.append(("accuracy", f"{c['task']}/{c['length']}/score", c["score"], {"exact": c["exact"]}))
+    return _certified_entries(task, dataset, args, how, values)
+
+
+def _certified_entries(task: str, dataset: tuple[str, str], args: dict, how: str, values: list) -> list[EvalResult]:
+    """Model-index entries of one certified measurement (dataset config `certify`): (metric type, name, value,
+    args) each."""
+    common = dict(
+        task_type="text-generation", task_name=f"{task}, certified before publishing", dataset_type=dataset[0],
+        dataset_name=dataset[1], dataset_config="certify", dataset_args=args, metric_config=how,
+    )  # fmt: skip
     return [
         EvalResult(**common, metric_type=t, metric_name=name, metric_value=float(v), metric_args=a)
         for t, name, v, a in values
@@ -110,15 +113,9 @@ def certified_ttft(cert: Mapping | None) -> list[EvalResult]:
     if not t:
         return []
     args = {k: t[k] for k in ("engine", "dtype", "device", "lengths", "rounds")} | {"note": t.get("note")}
-    common = dict(
-        task_type="text-generation",
-        task_name="Time to first token, certified before publishing",
-        dataset_type="ttft",
-        dataset_name=f"Prefill latency on {t['engine']}, random prompts of {', '.join(map(str, t['lengths']))} tokens",
-        dataset_config="certify",
-        dataset_args=args,
-        metric_config="paired vs exact on one engine, alternating rounds, 95% t-interval of the log ratio",
-    )
+    lengths = ", ".join(map(str, t["lengths"]))
+    dataset = ("ttft", f"Prefill latency on {t['engine']}, random prompts of {lengths} tokens")
+    how = "paired vs exact on one engine, alternating rounds, 95% t-interval of the log ratio"
     ci = {"n": t["rounds"], "ci95": [t["lo"], t["hi"]], "flop_bound": t["bound"], "engine": t["engine"]}
     values = [
         ("speedup", "certified", t["speedup"], ci),
@@ -127,10 +124,7 @@ def certified_ttft(cert: Mapping | None) -> list[EvalResult]:
         ("speedup", "flop_bound", t["bound"], None),
         ("n", "rounds", t["rounds"], None),
     ]
-    return [
-        EvalResult(**common, metric_type=kind, metric_name=name, metric_value=float(v), metric_args=a)
-        for kind, name, v, a in values
-    ]
+    return _certified_entries("Time to first token", dataset, args, how, values)
 
 
 def card_data(

@@ -206,4 +206,5 @@ def ttft_line(t: dict) -> str:
         + ("" if t.get("predicted") is None else f", predicted {t['predicted']:.3f}x")
         + ")"
         + (f"; {t['note']}" if t.get("note") else "")
+        + ("; remeasured with twice the rounds: the first estimate lay above the bound" if t.get("remeasured") else "")
     )

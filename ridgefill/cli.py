@@ -45,8 +45,10 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from registry.base import RegistryError
     from ridgefill.maps import MapError
     from ridgefill.study import StudyError
+    from ridgefill.ttft_model import CalibrationError
 
-    return InputError, StudyError, MapError, RegistryError, HfHubHTTPError, OSError  # OSError: files, network
+    errors = InputError, StudyError, MapError, RegistryError, HfHubHTTPError, CalibrationError
+    return (*errors, OSError)  # OSError: files, network
 
 
 def one_line(e: BaseException) -> str:

@@ -77,8 +77,14 @@ def bound(shape, n: int, point: Point) -> float:
     return speedup_bound(shape, n, point.split, point.rows.protected(n))
 
 
-def geomean(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+def above(lo: float, limit: float) -> bool:
+    """Whether a measured ratio's CI lies wholly above its FLOP bound: a timing no configuration can have."""
+    return lo > limit * (1 + 1e-6)
+
+
+def geomean(values) -> float:
+    v = list(values)
+    return math.exp(sum(math.log(x) for x in v) / len(v))
 
 
 # --- paired measurement -------------------------------------------------------------------------------------
@@ -212,7 +218,7 @@ def fit(
     exact's at each length); raises CalibrationError when a measured ratio breaks its FLOP bound."""
     for m in ratios:
         b = bound(shape, m.length, m.point)
-        if m.lo > b * (1 + 1e-6):
+        if above(m.lo, b):
             raise CalibrationError(
                 f"{m.point.label()} at {m.length} tokens measured {m.ratio:.3f}x [{m.lo:.3f}, {m.hi:.3f}], above its "
                 f"FLOP bound {b:.3f}x: the timing is wrong (another load on the machine?); rerun the calibration"
