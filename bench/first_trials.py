@@ -23,6 +23,7 @@ from pathlib import Path
 import optuna
 
 from ridgefill import search
+from ridgefill.rows import ROWS
 from ridgefill.study import Search, load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
@@ -44,7 +45,9 @@ def speedup_of(split: int) -> float:
 
 def stand_in(p: search.Params) -> search.Outcome:
     delta = 0.0 if p.split >= 18 else -50.0
-    return search.Outcome(delta, speedup_of(p.split) * (1 - SHARE_COST / 1.365 * p.share) * (1 + 1e-5 * (256 - p.tail)))
+    return search.Outcome(
+        delta, speedup_of(p.split) * (1 - SHARE_COST / 1.365 * p.rows.share) * (1 + 1e-5 * (256 - p.rows.tail))
+    )
 
 
 def previous_first_trials(search: Search, budget: int) -> list[dict]:
@@ -58,7 +61,11 @@ def previous_first_trials(search: Search, budget: int) -> list[dict]:
 def replay(splits: list[int], budget: int, seed: int, start, tol: float) -> int | None:
     """1-based number of the first trial on the front, or None if the budget ran out first."""
     cfg = load_study(STUDY, {"budget": {"trials": budget, "seed": seed}, "search": {"splits": splits}})
-    best = max(stand_in(search.Params(s, 1e-3, min(cfg.search.tails), 0.0, 4)).speedup for s in splits if s >= 18)
+    best = max(
+        stand_in(search.Params(s, 1e-3, ROWS.given(tail=min(cfg.search.tails), share=0.0, sink=4))).speedup
+        for s in splits
+        if s >= 18
+    )
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         study = search.open_study(cfg, search.storage(None, Path(tmp), cfg.name))

@@ -26,7 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from ridgefill.evals.ttft import paired_ttft, transformers_engine
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import MapSet
-from ridgefill.rows import ROWS
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan, prefill, protected_rows
 
 # Qwen/Qwen3-8B config.json (the fields that set shapes and numerics)
@@ -78,7 +78,7 @@ def plumb_check(model, split: int, tail: int, n: int) -> dict:
     """Plumb mode (exact bulk stream through the RidgeFill path) vs stock prefill on this device."""
     ids = torch.randint(0, model.config.vocab_size, (1, n), device=next(model.parameters()).device)
     exact = prefill(model, ids, FillPlan()).logits.float()
-    plumb = prefill(model, ids, FillPlan("plumb", split=split, tail=tail)).logits.float()
+    plumb = prefill(model, ids, FillPlan("plumb", split=split, rows=RowPolicy(tail=tail))).logits.float()
     return {
         "tokens": n,
         "split": split,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(report, indent=1))
     engine = transformers_engine(model)
     for split in args.splits:
-        plan = FillPlan("ridge", maps=random_maps(model, split), tail=args.tail)
+        plan = FillPlan("ridge", maps=random_maps(model, split), rows=RowPolicy(tail=args.tail))
         for n in args.lengths:
             if time.perf_counter() - start > args.budget_s:
                 report["skipped"].append({"split": split, "tokens": n})

@@ -16,7 +16,7 @@ import torch
 
 from ridgefill.evals.ruler import load_haystack, make_samples, region_of, sample_score
 from ridgefill.maps import load_maps
-from ridgefill.rows import ROWS
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan, generate
 from ridgefill.steps import load_model
 
@@ -44,11 +44,11 @@ def main() -> None:
     samples = make_samples(args.task, tok, args.length, load_haystack(haystack_files(args.haystack)), args.samples)
     plans = {"exact": FillPlan()}
     for s in args.splits:
-        plans[f"identity S={s}"] = FillPlan("identity", split=s, sink=args.sink, tail=args.tail)
+        plans[f"identity S={s}"] = FillPlan("identity", split=s, rows=RowPolicy(sink=args.sink, tail=args.tail))
         maps = load_maps(args.maps / f"S{s}-ridge", model, tok)
         for share in args.shares:
             plans[f"ridge S={s} share={share:g}"] = FillPlan(
-                "ridge", maps=maps, sink=args.sink, tail=args.tail, share=share
+                "ridge", maps=maps, rows=RowPolicy(sink=args.sink, tail=args.tail, share=share)
             )
     regions = [region_of(x.needle_spans, len(x.input_ids), args.sink, args.tail) for x in samples]
     print(

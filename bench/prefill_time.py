@@ -18,7 +18,7 @@ import torch
 from ridgefill.evals.ttft import random_prompt
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
-from ridgefill.rows import ROWS
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan, prefill, protected_rows
 from ridgefill.steps import load_model
 
@@ -44,7 +44,8 @@ def main() -> None:
     print("| tokens | S | exact s (median) | ridge s (median) | speed-up exact/ridge | FLOP bound |")
     print("|---|---|---|---|---|---|")
     plans = {
-        s: FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), tail=args.tail) for s in args.splits
+        s: FillPlan("ridge", maps=load_maps(args.maps / f"S{s}-ridge", model, tok), rows=RowPolicy(tail=args.tail))
+        for s in args.splits
     }
     for n in args.lengths:
         ids = random_prompt(tok.vocab_size, n)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ridgefill.rows import ROWS, protected_mask
+from ridgefill.rows import ROWS, RowPolicy, protected_mask
 from ridgefill.vllm_plugin.batch import RowClassifier
 
 
@@ -67,7 +67,7 @@ def main() -> None:
         mix = (np.concatenate([[0], np.cumsum(counts)]), np.append(np.full(b - 1, 1000), 8192), mix_computed)
         for name, (qsl, plens, computed) in [("decode only", dec), ("decodes + prefill chunk", mix)]:
             positions = torch.from_numpy(np.repeat(computed - qsl[:-1], np.diff(qsl)) + np.arange(qsl[-1]))
-            clf, masks = RowClassifier(sink, tail, 0.0, None), {}
+            clf, masks = RowClassifier(RowPolicy(sink, tail, 0.0), None), {}
             old = timed(
                 lambda: loop_classify(masks, ids, qsl, plens, lambda r, n: prompt[:n], positions, sink, tail),  # noqa: B023
                 args.repeats,

@@ -22,6 +22,7 @@ from ridgefill import objectives
 from ridgefill.evals.ruler import load_haystack
 from ridgefill.evals.ruler_run import run_ruler
 from ridgefill.maps import load_maps
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan
 from ridgefill.steps import build_maps, load_model, model_path, run_capture
 from ridgefill.study import load_study
@@ -43,7 +44,7 @@ def main() -> None:
                           root=Path(tmp), progress=False)  # fmt: skip
         defaults = {"tail": tail, "sink": s.sink, "share": 0.0}
         folder = build_maps(lm, tok, cap, a.split, lam, Path(tmp) / "maps", defaults=defaults)
-        plan = FillPlan("ridge", maps=load_maps(folder, lm, tok), sink=s.sink, tail=tail)
+        plan = FillPlan("ridge", maps=load_maps(folder, lm, tok), rows=RowPolicy(sink=s.sink, tail=tail))
         hay = load_haystack(r.haystack)
 
         t = time.perf_counter()

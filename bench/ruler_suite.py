@@ -29,7 +29,7 @@ from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
 from ridgefill.maps import load_maps
-from ridgefill.rows import ROWS
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import (
     EarlyPass,
     FillPlan,
@@ -55,17 +55,17 @@ def haystack_files(folder: Path) -> list[Path]:
 
 def make_plans(args, model, tok) -> dict[str, FillPlan]:
     maps = load_maps(args.maps, model, tok)
-    base = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail)
+    base = FillPlan("ridge", maps=maps, rows=RowPolicy(sink=args.sink, tail=args.tail))
     share = dict(
         share=args.share, query=args.query, window=args.window, score_layers=args.score_layers, reach=args.reach
     )
     plans = {
         "exact": FillPlan(),
-        "identity": FillPlan("identity", split=maps.split, sink=args.sink, tail=args.tail),
+        "identity": FillPlan("identity", split=maps.split, rows=RowPolicy(sink=args.sink, tail=args.tail)),
         "ridge": base,
-        "ridge+rarity": replace(base, select="rarity", **share),
-        "ridge+question": replace(base, select="question", **share),
-        "ridge+random": replace(base, select="random", **share),
+        "ridge+rarity": replace(base, rows=base.rows.given(select="rarity", **share)),
+        "ridge+question": replace(base, rows=base.rows.given(select="question", **share)),
+        "ridge+random": replace(base, rows=base.rows.given(select="random", **share)),
     }
     return {name: plans[name] for name in args.plans}
 
@@ -73,7 +73,7 @@ def make_plans(args, model, tok) -> dict[str, FillPlan]:
 def plan_config(plan: FillPlan, engine: str = "transformers") -> dict:
     """What identifies a plan's rows in OUT.jsonl (vLLM rows are paired only with vLLM's exact rows)."""
     keys = ("mode", "split", "sink", "tail", "share", "select", "query", "window", "score_layers")
-    reach = {"reach": plan.reach} if plan.reach else {}  # rows scored before reach existed stay paired
+    reach = {"reach": plan.rows.reach} if plan.rows.reach else {}  # rows scored before reach existed stay paired
     return {k: getattr(plan, k) for k in keys} | reach | ({"engine": engine} if engine != "transformers" else {})
 
 
@@ -267,7 +267,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
                 x = batches[r["task"]][r["index"]]
                 n_tok = len(x.input_ids)
                 row = {**r, "plan": name, "config": cfg, "n_tokens": n_tok, "seconds": None,
-                       "protected": n_tok if plan.mode == "exact" else plan.policy.protected(n_tok),
+                       "protected": n_tok if plan.mode == "exact" else plan.rows.protected(n_tok),
                        "needle_protected": None}  # fmt: skip
                 row.pop("tokens", None)
                 rows.append(row)
@@ -318,11 +318,11 @@ def coverage(args, model, tok, lengths, counts) -> None:
                 early = early_pass(model, ids, maps.split, 64, 6)
                 for select, q, w, layers, reach in grid:
                     knobs = dict(query=q, window=w, score_layers=layers, reach=reach) if select == "question" else {}
-                    plan = FillPlan("ridge", maps=maps, sink=args.sink, tail=args.tail - 1, share=args.share,
-                                    select=select, **knobs)  # fmt: skip
+                    rows = RowPolicy(args.sink, args.tail - 1, args.share, select, **knobs)
+                    plan = FillPlan("ridge", maps=maps, rows=rows)
                     attention = question_scores(model, early, plan) if select == "question" else None
                     keep = protected_rows(ids, plan, attention)
-                    spans = [(s, e) for s, e in x.needle_spans if s < ids.shape[1] - plan.tail]
+                    spans = [(s, e) for s, e in x.needle_spans if s < ids.shape[1] - plan.rows.tail]
                     row = {"task": task, "length": length, "index": index, "select": select, "query": q,
                            "window": w, "score_layers": layers, "reach": reach, "share": args.share,
                            "tail": args.tail,

@@ -139,7 +139,7 @@ def demo_cmd(
     rows = RowPolicy.of(ms.manifest["defaults"]).given(tail=tail)
     chat = [{"role": "user", "content": prompt}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    plan = FillPlan("ridge", ms.split, ms, **rows.as_dict())
+    plan = FillPlan("ridge", ms.split, ms, rows=rows)
     new = generate(lm, ids, plan, max_new_tokens)
     typer.echo(tok.decode(new[0], skip_special_tokens=True))
     bulk = max(0, ids.shape[1] - rows.sink - rows.tail)

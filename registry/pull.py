@@ -121,7 +121,7 @@ def serve_check(model, tokenizer, publication: Publication, local_map: str | Pat
     outs = []
     for ms in (pulled, load_maps(Path(local_map), model, tokenizer)):
         rows = RowPolicy.of(ms.manifest["defaults"])
-        plan = FillPlan("ridge", maps=ms, **replace(rows, tail=min(rows.tail, 32)).as_dict())
+        plan = FillPlan("ridge", maps=ms, rows=replace(rows, tail=min(rows.tail, 32)))
         outs.append(generate(model, ids.to(model.device), plan, 8)[0].tolist())
     if outs[0] != outs[1]:
         raise RuntimeError(f"the pulled map {pulled.path} decodes differently from the measured one {local_map}")

@@ -171,7 +171,7 @@ def certify_trial(
     if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
         return old
     t0 = time.time()
-    plan = plan_for(Params(**params_of(trial)), mp, model, tokenizer)
+    plan = plan_for(Params.of(params_of(trial)), mp, model, tokenizer)
     if cfg.engine == "vllm":  # as served: one engine, a batch per task x length
         run = ruler_result(run_vllm_job(vllm_job(model, cfg.model.dtype, plan, spec.ruler()))["ruler"])
     else:
@@ -179,7 +179,7 @@ def certify_trial(
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = haystack_label(spec.haystack, words)
     cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, 0.0, cfg.engine)
-    params = Params(**params_of(trial))
+    params = Params.of(params_of(trial))
     ttft = certified_ttft(model, tokenizer, params, mp, cfg, trial.user_attrs.get("speedup_predicted"))
     cert["seconds"] = time.time() - t0
     return with_ttft(cert, ttft)

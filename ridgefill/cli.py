@@ -203,7 +203,7 @@ def generate(
     ms = load_maps(maps, lm, tok) if maps else None
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
-    plan = FillPlan(mode, split or (ms.split if ms else 0), ms, **rows.as_dict())
+    plan = FillPlan(mode, split or (ms.split if ms else 0), ms, rows=rows)
     if chat and tok.chat_template:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True

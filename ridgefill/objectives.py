@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ridgefill.decision import Gate, sample_rows
 from ridgefill.study import Ruler, Study
 
 if TYPE_CHECKING:
@@ -30,14 +31,6 @@ def ruler_delta(trial_scores: dict, exact_scores: dict) -> float:
     if not diffs:
         raise ValueError("no RULER scores to compare (every task unavailable at these lengths?)")
     return sum(diffs) / len(diffs)
-
-
-SAMPLE_KEYS = ("task", "length", "index", "region", "score")
-
-
-def sample_rows(plan: str, rows: Sequence[dict]) -> list[dict]:
-    """Per-sample outcomes of one plan, trimmed to what pairing needs (no prompts, predictions or answers)."""
-    return [{"plan": plan, **{k: r[k] for k in SAMPLE_KEYS}} for r in rows]
 
 
 def paired_delta(trial_rows: Sequence[dict], exact_rows: Sequence[dict], seed: int = 0) -> dict:
@@ -111,10 +104,7 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
     if maps is not None and not isinstance(maps, MapSet):
         maps = load_maps(Path(maps), model, tokenizer)
     mode = "ridge" if maps is not None else "identity"
-    return FillPlan(
-        mode, params.split, maps, params.sink, params.tail, params.share, select=params.select, window=params.window,
-        reach=params.reach,
-    )  # fmt: skip
+    return FillPlan(mode, params.split, maps, params.rows)
 
 
 def run_ruler_plan(
@@ -144,31 +134,6 @@ def exact_baseline(model, tokenizer, r: Ruler, engine: str = "transformers", dty
     from ridgefill.runtime import FillPlan
 
     return run_ruler_plan(model, tokenizer, FillPlan(), r, engine, dtype, samples=r.most)
-
-
-# --- multi-fidelity: more samples for the trials near the front -------------------------------------------
-
-FRONT_MARGIN = 0.02  # speed-ups within 2% of the best are within run-to-run TTFT noise (BENCHMARKS section 8)
-
-
-def promotion_bar(r: Ruler, front: float | None, max_drop: float) -> dict | None:
-    """What a trial scored on `r.samples` per task must clear to earn `r.promote` (None: the study promotes
-    nobody): its paired mean within the limit (a trial already losing more on average cannot pass on more
-    samples), and a speed-up that could join the front (any, while no trial is feasible; else within
-    FRONT_MARGIN of the best feasible speed-up `front`)."""
-    if r.promote is None:
-        return None
-    return {"mean": -max_drop, "speedup": 0.0 if front is None else front * (1 - FRONT_MARGIN)}
-
-
-def promoted(bar: dict | None, trial_rows: Sequence[dict], exact_rows: Sequence[dict], speedup: float) -> bool:
-    """Whether the trial's first samples (paired against exact) and speed-up clear the bar."""
-    from ridgefill.evals.paired import clears, mean_delta
-
-    if bar is None:
-        return False
-    mean = mean_delta(sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows), "trial")
-    return mean is not None and clears(bar, mean, speedup)
 
 
 def merged(a: dict, b: dict) -> dict:
@@ -222,15 +187,13 @@ def engine_for(name: str, model):
 
 def vllm_job(
     model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None, first: int = 0, samples: int | None = None,
-    promote: dict | None = None, speedup: float | None = None,
+    gate: Gate | None = None, speedup: float | None = None,
 ) -> dict:  # fmt: skip
     """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
     baseline), else the plan's map folder and row policy; RULER scores the plan ("p") on sample indices
-    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. `promote` ({"exact": the exact
-    rows, "bar": `promotion_bar` or None, "max_drop": optional}): the job skips TTFT when the first samples
-    cannot pass (`cannot_pass` against "max_drop"), and after TTFT scores up to `ruler.promote` samples when
-    the first ones and the speed-up clear the bar, on the same engine; `speedup` (the calibrated model's) replaces
-    the TTFT measurement."""
+    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. With a `gate` the engine runs
+    the trial's whole decision (`ridgefill.decision.decide`: what to time, whether to promote) on itself;
+    `speedup` (the calibrated model's) replaces the TTFT measurement."""
     import torch
 
     job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
@@ -247,12 +210,8 @@ def vllm_job(
         job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
     if speedup is not None:  # predicted by the calibrated model: the job times nothing, promotion uses it
         job["speedup"] = speedup
-    if promote is not None and ruler is not None:  # decided in the job: one engine start
-        job["exact"] = sample_rows("exact", promote["exact"])
-        if promote.get("max_drop") is not None:
-            job["gate"] = {"max_drop": promote["max_drop"], "seed": ruler.seed}
-        if promote.get("bar") and ruler.promote:
-            job["promote"] = {"bar": promote["bar"], "samples": ruler.promote}
+    if gate is not None and ruler is not None:  # decided in the job: one engine start
+        job["gate"] = gate.as_dict()
     if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
         free, total = torch.cuda.mem_get_info()
         job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
@@ -262,7 +221,7 @@ def vllm_job(
 def plugin_options(plan) -> dict:
     """The plan's row policy as the plugin's hf_overrides (`ridgefill_<key>`); the question selector's query rows,
     pooling window, reach and scored layers travel too, so vLLM protects the rows the transformers runtime would."""
-    return plugin_options_of(plan.policy)
+    return plugin_options_of(plan.rows)
 
 
 def run_vllm_job(job: dict) -> dict:
@@ -285,14 +244,15 @@ def run_vllm_job(job: dict) -> dict:
         return json.loads(dst.read_text())
 
 
-def run_trial_vllm(model, plan, cfg: Study, promote: dict | None = None, speedup: float | None = None) -> dict:
-    """One engine per trial serves its RULER (every sample of a task x length in one batch), its paired TTFT
-    (None: skipped, the trial cannot pass) and, when `promote` ({"bar", "exact", "max_drop"}: `vllm_job`) is
-    cleared, the promoted trial's further samples:
-    {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result} or None, "promoted": bool}."""
+def run_trial_vllm(model, plan, cfg: Study, gate: Gate, speedup: float | None = None) -> dict:
+    """One engine per trial runs its whole decision (`ridgefill.decision.decide`) on itself: its RULER (every
+    sample of a task x length in one batch), its paired TTFT when the decision times it, and a promoted trial's
+    further samples: {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result} or None,
+    "promoted": bool, "reachable": bool}."""
     r = cfg.objectives.ruler
-    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, promote=promote, speedup=speedup))
-    return {"ruler": ruler_result(out["ruler"]), "ttft": out.get("ttft"), "promoted": bool(out.get("promoted"))}
+    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, gate=gate, speedup=speedup))
+    return {"ruler": ruler_result(out["ruler"]), "ttft": out.get("ttft"), "promoted": bool(out.get("promoted")),
+            "reachable": bool(out.get("reachable", True))}  # fmt: skip
 
 
 def run_ruler_vllm_plan(model, plan, cfg: Study, first: int, samples: int) -> dict:
@@ -363,7 +323,7 @@ def calibration_maps(model, tokenizer, capture_path: str, cfg: Study, splits, ou
     rows = search_rows(cfg)
     maps = {}
     for s in sorted(set(splits)):
-        params = Params(s, lam, rows.tail, rows.share, rows.sink, rows.select, rows.window, rows.reach)
+        params = Params(s, lam, rows)
         maps[s] = fit_trial(model, tokenizer, capture_path, params, Path(out) / f"calibration-S{s}")
     return maps
 
@@ -528,25 +488,6 @@ class Timing:
         metric = [("ttft", "trial", "speedup_bound", int(n), "all", v, 0) for n, v in ups.items()]
         up = geomean(ups.values())
         return cls(up, metric, measured=False, flop_bound=up)
-
-
-def cannot_pass(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:
-    """Whether a trial's first samples already fail the constraint beyond what promotion could change (their
-    mean and CI lower bound below -max_drop): its TTFT is then not measured (`Timing.bound`)."""
-    from ridgefill.evals.paired import cannot_pass as below
-
-    return below(_paired_rows(trial_rows, exact_rows), "trial", max_drop, seed)
-
-
-def fails(trial_rows: Sequence[dict], exact_rows: Sequence[dict], max_drop: float, seed: int = 0) -> bool:
-    """Whether the trial's samples (all it scored: the constraint's judgement) fail the constraint."""
-    from ridgefill.evals.paired import fails as judged
-
-    return judged(_paired_rows(trial_rows, exact_rows), "trial", max_drop, seed)
-
-
-def _paired_rows(trial_rows: Sequence[dict], exact_rows: Sequence[dict]) -> list[dict]:
-    return sample_rows("trial", trial_rows) + sample_rows("exact", exact_rows)
 
 
 def evaluate_plan(

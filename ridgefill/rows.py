@@ -76,6 +76,11 @@ class RowPolicy:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def by_question(self) -> bool:
+        """Whether the share is picked by the question's attention in the forward (nothing to pick without one)."""
+        return self.select == "question" and self.share > 0
+
     def protected(self, n: int) -> int:
         """How many rows of an n-row prompt run the whole model: sink, tail and the share of the rest."""
         edge = min(n, self.sink + self.tail)

@@ -27,7 +27,6 @@ from ridgefill.maps import MapSet
 from ridgefill.rows import (
     ROWS,
     RowPolicy,
-    Select,
     edge_rows,
     protect_top,
     protected_mask,
@@ -42,22 +41,12 @@ MODES: tuple[str, ...] = ("exact", "plumb", "identity", "ridge")
 
 @dataclass
 class FillPlan:
-    """How to prefill: the mode, split and protected-row policy (maps only for `ridge`).
-
-    The row fields are those of `ridgefill.rows.RowPolicy` (`policy`), which owns their defaults and checks.
-    """
+    """How to prefill: the mode, split, maps (only for `ridge`) and which rows are protected (`rows`)."""
 
     mode: Mode = "exact"
     split: int = 0
     maps: MapSet | None = None
-    sink: int = ROWS.sink
-    tail: int = ROWS.tail
-    share: float = ROWS.share
-    select: Select = ROWS.select
-    query: int = ROWS.query
-    window: int = ROWS.window
-    score_layers: int = ROWS.score_layers
-    reach: int = ROWS.reach
+    rows: RowPolicy = ROWS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,14 +55,7 @@ class FillPlan:
             raise ValueError("ridge mode needs a map folder")
         if self.maps is not None:
             self.split = self.maps.split
-        self.policy.check()
-
-    @property
-    def policy(self) -> RowPolicy:
-        """The plan's protected-row policy."""
-        return RowPolicy(
-            self.sink, self.tail, self.share, self.select, self.query, self.window, self.score_layers, self.reach
-        )
+        self.rows.check()
 
 
 @dataclass
@@ -103,15 +85,17 @@ def protected_rows(input_ids: Tensor, plan: FillPlan, attention: Tensor | None =
     early layers (`prefill` computes it in its own pass).
     """
     ids = input_ids[0]
-    if plan.select == "rarity":
+    if plan.rows.select == "rarity":
         scores = plan.maps.scores if plan.maps is not None else None
-        return protected_mask(ids, plan.sink, plan.tail, plan.share, scores)
-    if plan.select == "question" and plan.share > 0:
+        return protected_mask(ids, plan.rows.sink, plan.rows.tail, plan.rows.share, scores)
+    if plan.rows.by_question:
         if attention is None:
             raise ValueError("question-aware rows need the early layers' attention; call prefill")
-        return question_mask(attention, plan.sink, plan.tail, plan.share, plan.window, plan.reach)
-    keep = edge_rows(ids.shape[-1], plan.sink, plan.tail, ids.device)
-    return keep if plan.share == 0 else protect_top(keep, random_scores(ids.shape[-1]), plan.share)
+        return question_mask(
+            attention, plan.rows.sink, plan.rows.tail, plan.rows.share, plan.rows.window, plan.rows.reach
+        )
+    keep = edge_rows(ids.shape[-1], plan.rows.sink, plan.rows.tail, ids.device)
+    return keep if plan.rows.share == 0 else protect_top(keep, random_scores(ids.shape[-1]), plan.rows.share)
 
 
 @torch.inference_mode()
@@ -122,8 +106,12 @@ def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, early: EarlyPas
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("prefill takes one prompt shaped [1, n]")
-    late_choice = plan.select == "question" and plan.share > 0
-    keep = edge_rows(input_ids.shape[1], plan.sink, plan.tail) if late_choice else protected_rows(input_ids, plan)
+    late_choice = plan.rows.by_question
+    keep = (
+        edge_rows(input_ids.shape[1], plan.rows.sink, plan.rows.tail)
+        if late_choice
+        else protected_rows(input_ids, plan)
+    )
     if plan.mode == "exact" or bool(keep.all()):
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         return Prefill(out.past_key_values, out.logits[0, -1], torch.ones_like(keep))
@@ -163,7 +151,7 @@ def _ridgefill(
     n = input_ids.shape[1]
     pos = torch.arange(n, device=input_ids.device)
     if early is None:
-        early = early_pass(model, input_ids, plan.split, plan.query if keep is None else 1, plan.score_layers)
+        early = early_pass(model, input_ids, plan.split, plan.rows.query if keep is None else 1, plan.rows.score_layers)
     elif early.split != plan.split or not torch.equal(early.input_ids, input_ids):
         raise ValueError("the early pass is of another prompt or split")
     cache = DynamicCache(config=model.config)
@@ -195,16 +183,16 @@ def _ridgefill(
 
 @torch.inference_mode()
 def question_scores(model: nn.Module, early: EarlyPass, plan: FillPlan) -> Tensor:
-    """Attention [n] that the prompt's last `plan.query` rows pay each row, summed over heads, query rows and
-    the `plan.score_layers` exact layers below the split (the "question" selector's scores, before pooling)."""
+    """Attention [n] that the prompt's last `plan.rows.query` rows pay each row, summed over heads, query rows and
+    the `plan.rows.score_layers` exact layers below the split (the "question" selector's scores, before pooling)."""
     ad = adapter_for(model)
     n = early.input_ids.shape[1]
     attention = torch.zeros(n, device=early.input_ids.device)
-    for idx in range(plan.split - plan.score_layers, plan.split):
+    for idx in range(plan.split - plan.rows.score_layers, plan.split):
         h_in = early.inputs_q.get(idx)
-        if h_in is None or h_in.shape[1] < min(plan.query, n):
+        if h_in is None or h_in.shape[1] < min(plan.rows.query, n):
             raise ValueError("the early pass kept too few query rows or layers for this plan")
-        h_q = h_in[:, h_in.shape[1] - min(plan.query, n) :]
+        h_q = h_in[:, h_in.shape[1] - min(plan.rows.query, n) :]
         q = h_q.shape[1]
         cos_q, sin_q = early.cos[:, n - q :], early.sin[:, n - q :]
         attention += _question_attention(ad, ad.layers[idx], h_q, cos_q, sin_q, early.kv[idx][0])
@@ -256,7 +244,7 @@ def generate(
     if n < 2:
         raise ValueError("a prompt needs at least two tokens")
     head = input_ids[:, :-1]
-    plan_head = replace(plan, tail=max(1, plan.tail - 1))
+    plan_head = replace(plan, rows=plan.rows.given(tail=max(1, plan.rows.tail - 1)))
     pre = prefill(model, head, plan_head, early)
     if on_prefill is not None:
         on_prefill(pre)

@@ -21,7 +21,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -39,23 +39,20 @@ FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
 
 @dataclass(frozen=True)
 class Params:
+    """A trial's configuration: the split, the ridge lambda and its protected-row policy."""
+
     split: int
     lam: float
-    tail: int
-    share: float
-    sink: int
-    select: str = "rarity"  # how the share is chosen (the study's `search.select`)
-    window: int = ROWS.window  # the question selector's max-pool half-width (the study's `search.windows`)
-    reach: int = ROWS.reach  # rows after a scored row that share its score (the study's `search.reach`)
+    rows: RowPolicy = ROWS
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Flat, as Optuna's user attributes and DuckDB keep it: split, lam and the row policy's fields."""
+        return {"split": self.split, "lam": self.lam} | self.rows.as_dict()
 
-    @property
-    def rows(self) -> RowPolicy:
-        """The trial's protected-row policy."""
-        return ROWS.given(sink=self.sink, tail=self.tail, share=self.share, select=self.select, window=self.window,
-                          reach=self.reach)  # fmt: skip
+    @classmethod
+    def of(cls, d: dict) -> Params:
+        """The parameters `as_dict` (or an older trial's subset of the row fields) names."""
+        return cls(int(d["split"]), float(d["lam"]), RowPolicy.of({k: v for k, v in d.items() if v is not None}))
 
 
 @dataclass
@@ -174,17 +171,13 @@ def suggest(trial: optuna.Trial, search: Search) -> Params:
     lam = trial.suggest_float("lam", lo, hi, log=True) if hi > lo else lo
     slo, shi = search.share
     share = trial.suggest_float("share", slo, shi) if shi > slo else slo
-    return Params(
-        split=int(trial.suggest_categorical("split", list(search.splits))),
-        lam=float(lam),
-        tail=int(trial.suggest_categorical("tail", list(search.tails))),
-        share=float(share),
-        sink=search.sink,
-        select=search.select,
-        window=int(trial.suggest_categorical("window", list(search.windows))) if len(search.windows) > 1 else
-        search.windows[0],
-        reach=search.reach,
+    windows = list(search.windows)
+    rows = ROWS.given(
+        sink=search.sink, tail=int(trial.suggest_categorical("tail", list(search.tails))), share=float(share),
+        select=search.select, reach=search.reach,
+        window=int(trial.suggest_categorical("window", windows)) if len(windows) > 1 else windows[0],
     )  # fmt: skip
+    return Params(int(trial.suggest_categorical("split", list(search.splits))), float(lam), rows)
 
 
 # --- crash recovery ------------------------------------------------------------------------------------
@@ -320,7 +313,7 @@ def feasible(t: FrozenTrial, max_drop: float) -> bool:
 
 def best_feasible_speedup(study: optuna.Study, max_drop: float) -> float | None:
     """The front's fastest point so far (None: no feasible trial yet): what a new trial must come near to be
-    promoted to more RULER samples (`objectives.promoted`)."""
+    promoted to more RULER samples (`decision.Gate.promotes`)."""
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     ups = [t.values[1] for t in done if feasible(t, max_drop) and usable(t)]
     return max(ups) if ups else None

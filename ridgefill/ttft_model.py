@@ -66,7 +66,7 @@ def features(shape, n: int, point: Point) -> np.ndarray:
     late = layers - s
     protected = rows.protected(n)
     bulk = (n - protected) * (bulk_split + (late - 1) * bulk_map)
-    score = float(n) if rows.select == "question" and rows.share > 0 and protected < n else 0.0
+    score = float(n) if rows.by_question and protected < n else 0.0
     if protected >= n:  # a prompt no longer than its protected rows runs stock
         return features(shape, n, EXACT)
     return np.array([n * s * full, protected * late * full, bulk, score, 1.0])

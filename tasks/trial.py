@@ -1,12 +1,10 @@
-"""One trial: fit -> RULER -> paired TTFT -> (promoted: more RULER samples) -> paired delta and dNLL (nested tasks,
-so each step shows in the run), and the exact RULER baseline every trial is paired against (cached per weights,
-settings, engine and inputs).
+"""One trial: fit -> the trial's decision (`ridgefill.decision.decide`: RULER, paired TTFT when it can matter,
+more RULER samples when promoted) -> paired delta and dNLL (nested tasks, so each step shows in the run), and
+the exact RULER baseline every trial is paired against (cached per weights, settings, engine and inputs).
 
-Multi-fidelity (`objectives.ruler.promote`): every trial scores `samples` per task; one whose paired mean is
-within the limit and whose speed-up could join the front (`TrialContext.front`, the best feasible speed-up when
-it started) scores up to `promote`, and its constraint is judged on the CI of all its samples. One whose first
-samples already fail the constraint (`objectives.cannot_pass`) is not timed: no speed-up could make it feasible;
-nor is one that fails it on all its samples, when promotion did not need its speed-up (no feasible front yet)."""
+On transformers each step is a task here; on vLLM one engine runs the same decision on itself
+(`evals.vllm_trial`). With the study's calibrated TTFT model the speed-up is its prediction and nothing is
+timed."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ridgefill import objectives
-from ridgefill.evals.paired import needs_speed
+from ridgefill.decision import Decision, Gate, decide
 from ridgefill.maps import MapSet
 from ridgefill.objectives import Evaluation, Timing
 from ridgefill.search import Outcome, Params
@@ -101,61 +99,39 @@ def measure_ttft(path: str, dtype: str, device: str, params: Params, maps: MapSe
 
 @task(cache_policy=NO_CACHE)
 def serve_vllm(
-    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, promote: dict | None = None,
+    path: str, dtype: str, device: str, params: Params, maps: MapSet, cfg: Study, gate: Gate,
     speedup: float | None = None,
 ) -> dict:  # fmt: skip
-    """The trial's RULER (a batch per task x length), paired TTFT (none when `speedup` is predicted) and, when the
-    first samples clear the promotion bar, the further samples: served by one vLLM engine."""
+    """The trial's whole decision on one vLLM engine: RULER (a batch per task x length), paired TTFT when it can
+    matter (none when `speedup` is predicted) and a promoted trial's further samples."""
     lm, tok = shared_model(path, dtype, device)
-    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg, promote, speedup)
+    return objectives.run_trial_vllm(lm, objectives.plan_for(params, maps, lm, tok), cfg, gate, speedup)
 
 
 @task(cache_policy=NO_CACHE)
 def run_trial(number: int, params: Params, ctx: TrialContext, exact: dict, cfg: Study) -> Outcome:
-    """fit -> RULER and TTFT -> more RULER samples when promoted -> paired delta and dNLL, for one trial. With the
-    study's calibrated TTFT model (`ctx.ttft`) the speed-up is its prediction and nothing is timed."""
+    """fit -> the trial's decision -> paired delta and dNLL, for one trial."""
     m = (ctx.path, cfg.model.dtype, cfg.hardware.device)
     out = str(Path(ctx.maps) / f"trial-{number:04d}")
     maps = fit(ctx.capture, *m, params, out)  # verified once, as written: passed along, never re-hashed here
-    r, max_drop = cfg.objectives.ruler, cfg.constraints.max_ruler_drop
-    bar = objectives.promotion_bar(r, ctx.front, max_drop)
+    r = cfg.objectives.ruler
+    gate = Gate.of(exact["samples"], cfg.constraints.max_ruler_drop, r.seed, r.samples, r.promote, ctx.front)
     pred = None
     if ctx.ttft is not None and not cfg.objectives.ttft.per_trial:
         pred = objectives.predicted(ctx.ttft, params, cfg.objectives.ttft.lengths)
     if cfg.engine == "vllm":  # one engine serves the trial's RULER, TTFT and, promoted, its further samples
-        gate = {"bar": bar, "exact": exact["samples"], "max_drop": max_drop}
         served = serve_vllm(*m, params, maps, cfg, gate, pred.speedup if pred else None)
-        ruler, promote = served["ruler"], served["promoted"]
-        if pred is None:
-            tt = timed(m, params, maps, cfg, Timing.of(served["ttft"])) if served["ttft"] else bound(m, params, cfg)
-        else:
-            tt = pred
-    elif pred is not None:  # the speed-up is known before anything runs: RULER alone decides the rest
-        tt = pred
-        ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
-        promote = not objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed) and (
-            objectives.promoted(bar, ruler["samples"], exact["samples"], pred.speedup)
-        )
-        if promote:
-            ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
+        first = Timing.of(served["ttft"]) if served["ttft"] else None
+        d = Decision(served["ruler"], first and timed(m, params, maps, cfg, first), served["promoted"],
+                     served["reachable"])  # fmt: skip
     else:
-        ruler = measure_ruler(*m, params, maps, cfg, 0, r.samples)
-        tt, promote = None, False
-        if objectives.cannot_pass(ruler["samples"], exact["samples"], max_drop, r.seed):
-            tt = bound(m, params, cfg)  # infeasible whatever its speed: not timed
-        else:
-            if needs_speed(bar):  # a front exists: promotion asks how fast the trial is
-                tt = timed(m, params, maps, cfg)
-            promote = objectives.promoted(bar, ruler["samples"], exact["samples"], tt.speedup if tt else 0.0)
-        if promote:
-            ruler = objectives.merged(ruler, measure_ruler(*m, params, maps, cfg, r.samples, r.promote))
-        if tt is None:  # timed only when it passes on every sample it scored
-            fail = objectives.fails(ruler["samples"], exact["samples"], max_drop, r.seed)
-            tt = bound(m, params, cfg) if fail else timed(m, params, maps, cfg)
-    reachable = tt.measured or (pred is not None and not objectives.fails(ruler["samples"], exact["samples"],
-                                                                          max_drop, r.seed))  # fmt: skip
-    ev = evaluate(*m, params, maps, exact, cfg, ruler, nll=reachable)  # no dNLL for a trial out of reach
-    ci = ev.ruler_ci | {"promoted": promote}  # n says how many pairs the constraint judged
+        d = decide(
+            lambda first, last: measure_ruler(*m, params, maps, cfg, first, last),
+            lambda: timed(m, params, maps, cfg), objectives.merged, gate, pred.speedup if pred else None,
+        )  # fmt: skip
+    tt = pred or d.timing or bound(m, params, cfg)  # not timed: out of reach, its FLOP bound steers nothing
+    ev = evaluate(*m, params, maps, exact, cfg, d.ruler, nll=d.reachable)  # no dNLL for a trial out of reach
+    ci = ev.ruler_ci | {"promoted": d.promoted}  # n says how many pairs the constraint judged
     return Outcome(
         ev.ruler_delta, tt.speedup, ev.dnll, str(maps.path), ev.rows + tt.rows, ci, tt.measured, tt.predicted,
         tt.flop_bound, tt.invalid,

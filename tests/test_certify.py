@@ -138,13 +138,17 @@ def test_gate_publishes_a_passing_map_with_certified_numbers(chosen, tiny_models
 def test_real_small_certification_on_smollm2(smollm2):
     """Real generations: plumb mode reproduces exact, so it certifies at delta 0 with a zero-width CI; identity
     fill from a low split is judged on its own paired rows, by the same rule."""
+    from ridgefill.rows import RowPolicy
     from ridgefill.runtime import FillPlan
 
     model, tok = smollm2
     spec = Certify(tasks=["niah_single_1"], lengths=[512], samples=2, haystack="pydoc", seed=0)
     exact = objectives.run_ruler_plan(model, tok, FillPlan(), spec.ruler())["samples"]
     assert len(exact) == 2
-    for plan in (FillPlan("plumb", split=10, tail=16), FillPlan("identity", split=4, tail=16)):
+    for plan in (
+        FillPlan("plumb", split=10, rows=RowPolicy(tail=16)),
+        FillPlan("identity", split=4, rows=RowPolicy(tail=16)),
+    ):
         got = objectives.run_ruler_plan(model, tok, plan, spec.ruler())["samples"]
         cert = certify.certificate("s", 0, spec, 10.0, got, exact, "pydoc")
         by_hand = sum(g["score"] - e["score"] for g, e in zip(got, exact, strict=True)) / 2
@@ -203,6 +207,7 @@ def test_the_card_carries_only_the_certified_ttft(chosen, tiny_models, tokenizer
 def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer, tmp_path, monkeypatch):
     """A real paired timing of a map folder on the transformers runtime (vLLM stands aside here): rounds between
     the study's repeats and cap, a CI around the ratio, the FLOP bound and the prediction beside it."""
+    from ridgefill.rows import ROWS
     from ridgefill.search import Params
     from ridgefill.study import load_study
     from tests.test_tuning import STUDY
@@ -211,7 +216,7 @@ def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer
     folder = make_maps(model, tokenizer, tmp_path / "maps")
     cfg = load_study(STUDY, {"objectives": {"ttft": {"lengths": [512], "repeats": 2, "max_repeats": 3, "warmup": 0}}})
     monkeypatch.setattr(objectives, "serving_engine", lambda cfg: "transformers")
-    params = Params(2, 1e-3, 8, 0.0, 4)
+    params = Params(2, 1e-3, ROWS.given(tail=8, share=0.0, sink=4))
     t = objectives.certified_ttft(model, tokenizer, params, str(folder), cfg, 1.1)
     assert t["engine"] == "transformers" and "vLLM is not installed" in t["note"]
     assert 2 <= t["rounds"] <= 3 and t["lo"] <= t["speedup"] <= t["hi"] and t["predicted"] == 1.1

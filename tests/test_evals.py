@@ -8,6 +8,7 @@ from ridgefill.evals.nll import bootstrap_ci, documents, evaluate_nll
 from ridgefill.evals.ruler import Haystack
 from ridgefill.evals.ruler_run import aggregate, run_ruler, table
 from ridgefill.evals.ttft import paired_ttft, ratio_ci, transformers_engine
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan
 
 
@@ -17,11 +18,11 @@ def _stream(tokenizer, text):
 
 def test_dnll_is_zero_for_plumb_and_positive_for_identity(tiny_models, smollm2, tokenizer, essay_text):
     docs = documents(_stream(tokenizer, essay_text[:60000]), 256, 3)
-    plumb = evaluate_nll(tiny_models["llama"], docs, FillPlan("plumb", split=2, tail=16), scored=64)
+    plumb = evaluate_nll(tiny_models["llama"], docs, FillPlan("plumb", split=2, rows=RowPolicy(tail=16)), scored=64)
     assert abs(plumb["dnll"]) < 1e-4 and plumb["top1_agree"] == 1.0
     # the sign needs a trained model: on a random one identity fill may as well lower the NLL
     short = documents(_stream(tokenizer, essay_text[:60000]), 160, 2)
-    ident = evaluate_nll(smollm2[0], short, FillPlan("identity", split=10, tail=16), scored=32)
+    ident = evaluate_nll(smollm2[0], short, FillPlan("identity", split=10, rows=RowPolicy(tail=16)), scored=32)
     assert ident["dnll"] > 1e-3 and len(ident["per_document"]) == 2
     lo, hi = ident["dnll_ci95"]
     assert lo <= ident["dnll"] <= hi
@@ -42,7 +43,7 @@ def test_paired_ttft_alternates_and_reports_ratio(tiny_models):
         return base(ids, plan)
 
     ids = torch.randint(0, 1000, (1, 128))
-    r = paired_ttft(engine, ids, FillPlan("identity", split=2, tail=16), repeats=3, warmup=1)
+    r = paired_ttft(engine, ids, FillPlan("identity", split=2, rows=RowPolicy(tail=16)), repeats=3, warmup=1)
     assert calls == ["exact", "identity"] * 4
     assert r["tokens"] == 128 and len(r["exact_s"]) == 3 and r["speedup"] > 0
     assert ratio_ci([2.0, 2.0], [1.0, 1.0]) == (2.0, 2.0)
@@ -51,7 +52,7 @@ def test_paired_ttft_alternates_and_reports_ratio(tiny_models):
 def test_ruler_runner_scores_by_region(tiny_models, tokenizer, essay_text):
     model = tiny_models["llama"]
     hay = Haystack(tuple(essay_text.split()), "essays")
-    plans = {"exact": FillPlan(), "plumb": FillPlan("plumb", split=2, tail=32)}
+    plans = {"exact": FillPlan(), "plumb": FillPlan("plumb", split=2, rows=RowPolicy(tail=32))}
     res = run_ruler(model, tokenizer, plans, ["niah_single_2"], [512], hay, samples=3, progress=False)
     rows = res["samples"]
     assert len(rows) == 6 and {r["region"] for r in rows if r["plan"] == "plumb"} <= {"bulk", "tail", "sink"}

@@ -15,6 +15,7 @@ from ridgefill.corpus import Corpus, token_stream, windows
 from ridgefill.fingerprint import fingerprint
 from ridgefill.fit import RidgeSolver
 from ridgefill.maps import MapError, load_maps, manifest_digest, read_manifest, write_maps
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan, prefill
 from ridgefill.scores import rarity
 from tests.conftest import prose_text, tiny_model
@@ -66,8 +67,8 @@ def test_round_trip_serves(fitted, tokenizer, essay_text):
         ids = torch.tensor([tokenizer(essay_text[start : start + 2000])["input_ids"][:200]])
         exact = prefill(model, ids, FillPlan())
         for kind, plan in (
-            ("ridge", FillPlan("ridge", maps=ms, tail=8)),
-            ("identity", FillPlan("identity", split=2, tail=8)),
+            ("ridge", FillPlan("ridge", maps=ms, rows=RowPolicy(tail=8))),
+            ("identity", FillPlan("identity", split=2, rows=RowPolicy(tail=8))),
         ):
             out = prefill(model, ids, plan)
             assert torch.isfinite(out.logits).all()
@@ -299,7 +300,7 @@ def test_bulk_rows_cache_what_the_map_predicts(fitted, tokenizer):
     model, path = fitted
     ms = load_maps(path, model, tokenizer)
     ids = torch.tensor([tokenizer(prose_text()[100000:102000])["input_ids"][:120]])
-    out = prefill(model, ids, FillPlan("ridge", maps=ms, sink=4, tail=8))
+    out = prefill(model, ids, FillPlan("ridge", maps=ms, rows=RowPolicy(sink=4, tail=8)))
     bulk, prot = (~out.protected).nonzero().squeeze(-1), out.protected.nonzero().squeeze(-1)
     assert bulk.numel() == 120 - 4 - 8
     ad, pos = adapter_for(model), torch.arange(ids.shape[1])

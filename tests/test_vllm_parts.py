@@ -21,8 +21,10 @@ pytest.importorskip("vllm")
 
 from vllm.v1.attention.backends import flash_attn as fa  # noqa: E402
 
+from ridgefill.rows import RowPolicy  # noqa: E402
 from ridgefill.vllm_plugin.backend import attend_runs  # noqa: E402
 from ridgefill.vllm_plugin.batch import RowClassifier  # noqa: E402
+from ridgefill.vllm_plugin.config import serve_options  # noqa: E402
 
 HEADS, KV_HEADS, HEAD, BLOCK = 4, 2, 16, 16
 
@@ -67,7 +69,7 @@ def test_flash_attention_path_equals_dense_attention(monkeypatch):
     g = torch.Generator().manual_seed(0)
     reqs = {"a": (100, 36, 100), "b": (40, 0, 40), "c": (50, 57, 58)}  # prompt len, first pos, end pos
     prompts = {r: torch.randint(0, 1000, (plen,), generator=g).numpy() for r, (plen, _, _) in reqs.items()}
-    classifier = RowClassifier(sink=4, tail=16, share=0.25, scores=torch.rand(1000, generator=g))
+    classifier = RowClassifier(RowPolicy(4, 16, 0.25), torch.rand(1000, generator=g))
     qlens = [end - first for _, first, end in reqs.values()]
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     names = list(reqs)
@@ -138,15 +140,14 @@ def test_engines_it_cannot_serve_are_named():
 
 
 def test_question_rows_options_are_validated():
-    from ridgefill.vllm_plugin.config import QuestionRows, question_rows
-
-    manifest = {"defaults": {"sink": 4, "tail": 256, "share": 0.0}, "split": 18}
-    assert question_rows(SimpleNamespace(), manifest, 0.15) is None  # rarity, as before
-    assert question_rows(SimpleNamespace(ridgefill_select="question"), manifest, 0.0) is None  # no share
+    manifest = {"defaults": {"sink": 4, "tail": 256, "share": 0.15}, "split": 18}
+    assert not serve_options(SimpleNamespace(), manifest)[0].by_question  # rarity, as before
+    no_share = SimpleNamespace(ridgefill_select="question", ridgefill_share=0.0)
+    assert not serve_options(no_share, manifest)[0].by_question  # nothing to choose
     cfg = SimpleNamespace(ridgefill_select="question", ridgefill_window="8")
-    assert question_rows(cfg, manifest, 0.15) == QuestionRows(query=32, window=8, layers=3, reach=0)
+    assert serve_options(cfg, manifest) == (RowPolicy(4, 256, 0.15, "question", 32, 8, 3, 0), "ridge")
     reach = {"defaults": manifest["defaults"] | {"reach": 12}, "split": 18}  # a map folder's default
-    assert question_rows(SimpleNamespace(ridgefill_select="question"), reach, 0.15).reach == 12
+    assert serve_options(SimpleNamespace(ridgefill_select="question"), reach)[0].reach == 12
     for bad, share, word in [
         ({"ridgefill_select": "random"}, 0.1, "select"),
         ({"ridgefill_select": "question"}, 1.0, "share"),
@@ -155,20 +156,14 @@ def test_question_rows_options_are_validated():
         ({"ridgefill_select": "question", "ridgefill_reach": -1}, 0.1, "reach"),
     ]:
         with pytest.raises(ValueError, match=word):
-            question_rows(SimpleNamespace(**bad), manifest, share)
+            serve_options(SimpleNamespace(**bad, ridgefill_share=share), manifest)
 
 
 def test_serve_options_are_validated():
-    from ridgefill.vllm_plugin.model import serve_options
-
     manifest = {"defaults": {"sink": 4, "tail": 256, "share": 0.0}}
-    assert serve_options(SimpleNamespace(), manifest) == (4, 256, 0.0, "ridge")
-    assert serve_options(SimpleNamespace(ridgefill_tail="64", ridgefill_mode="plumb"), manifest) == (
-        4,
-        64,
-        0.0,
-        "plumb",
-    )
+    assert serve_options(SimpleNamespace(), manifest) == (RowPolicy(4, 256, 0.0), "ridge")
+    plumb = SimpleNamespace(ridgefill_tail="64", ridgefill_mode="plumb")
+    assert serve_options(plumb, manifest) == (RowPolicy(4, 64, 0.0), "plumb")
     for bad, word in [
         ({"ridgefill_tail": 0}, "tail"),
         ({"ridgefill_share": 1.5}, "share"),

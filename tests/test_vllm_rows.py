@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ridgefill.rows import protected_mask
+from ridgefill.rows import RowPolicy, protected_mask
 from ridgefill.vllm_plugin.batch import RowClassifier, bulk_rows
 
 SINK, TAIL, SHARE = 4, 32, 0.2
 
 
 def _classifier(seed: int = 0) -> RowClassifier:
-    return RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(seed)))
+    return RowClassifier(RowPolicy(SINK, TAIL, SHARE), torch.rand(500, generator=torch.Generator().manual_seed(seed)))
 
 
 def _step(reqs: list[tuple[str, np.ndarray, int, int]], classifier: RowClassifier, stock=(), held=None):
@@ -68,7 +68,7 @@ def test_decodes_are_protected_and_decode_only_steps_are_not_classified():
 
 
 def test_runs_are_maximal_and_split_at_request_and_position_breaks():
-    classifier = RowClassifier(sink=2, tail=3, share=0.0, scores=None)
+    classifier = RowClassifier(RowPolicy(2, 3, 0.0), None)
     p = np.arange(10)
     # a: positions 5..9 (bulk 5,6; tail 7,8,9) then b: positions 0..9 (sink 0,1; bulk 2..6; tail 7,8,9)
     rows = _step([("a", p, 5, 5), ("b", p, 0, 10)], classifier)
@@ -91,7 +91,7 @@ def test_requests_in_stock_are_all_protected():
 
 def test_a_growing_prompt_is_classified_by_its_current_length():
     """Streamed input keeps the request id while its prompt grows: the tail moves with the prompt's end."""
-    classifier = RowClassifier(sink=2, tail=4, share=0.0, scores=None)
+    classifier = RowClassifier(RowPolicy(2, 4, 0.0), None)
     p = np.arange(40)
     first = _step([("s", p[:20], 0, 20)], classifier)
     assert first.protected.tolist() == [True] * 2 + [False] * 14 + [True] * 4
@@ -120,7 +120,7 @@ def test_question_prompts_are_listed_in_every_step_and_earlier_chunks_protect_on
     (tail rows there too are bulk: the last step runs them again) with room kept for the forward, its last
     chunk the edge mask; its kept room goes when the request leaves; a prompt first seen past its start
     without kept rows runs exact, and is counted."""
-    classifier = RowClassifier(SINK, TAIL, SHARE, None, question=True)
+    classifier = RowClassifier(RowPolicy(SINK, TAIL, SHARE, "question"), None)
     p = np.arange(300)
     rows = _step([("w", p, 0, 300), ("short", p[:20], 0, 20)], classifier)
     assert [(q.first, q.end, q.req_id, q.start, q.last) for q in rows.questions] == [(0, 300, "w", 0, True)]

@@ -21,7 +21,7 @@ import vllm.config.vllm as vllm_config_module  # noqa: E402
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from ridgefill.rows import protected_mask  # noqa: E402
+from ridgefill.rows import RowPolicy, protected_mask  # noqa: E402
 from ridgefill.vllm_plugin import config as rf_config  # noqa: E402
 from ridgefill.vllm_plugin import patches  # noqa: E402
 from ridgefill.vllm_plugin.batch import RowClassifier, step_rows  # noqa: E402
@@ -246,7 +246,9 @@ def _step(g):
 
 def test_runner_glue_reads_positions_prompts_and_request_slices():
     g = np.random.default_rng(0)
-    classifier = RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(0)))
+    classifier = RowClassifier(
+        RowPolicy(SINK, TAIL, SHARE), torch.rand(500, generator=torch.Generator().manual_seed(0))
+    )
     reqs = _step(g)
     rows = step_rows(_fake_runner(reqs, classifier), classifier)
     assert rows.num_tokens == 64 + 1 + 63 + 90
@@ -266,7 +268,7 @@ def test_runner_glue_reads_positions_prompts_and_request_slices():
 
 def test_runner_glue_keeps_prompt_logprob_requests_stock():
     g = np.random.default_rng(1)
-    classifier = RowClassifier(SINK, TAIL, 0.0, None)
+    classifier = RowClassifier(RowPolicy(SINK, TAIL, 0.0), None)
     reqs = _step(g)
     rows = step_rows(_fake_runner(reqs, classifier, stock={"fresh"}), classifier)
     assert rows.protected[-90:].all() and not rows.protected[:64].all()
@@ -290,7 +292,9 @@ def _state(classifier):
 
 
 def test_hooked_model_forward_hands_the_model_its_rows_for_the_step_only():
-    classifier = RowClassifier(SINK, TAIL, SHARE, torch.rand(500, generator=torch.Generator().manual_seed(0)))
+    classifier = RowClassifier(
+        RowPolicy(SINK, TAIL, SHARE), torch.rand(500, generator=torch.Generator().manual_seed(0))
+    )
     runner = _fake_runner(_step(np.random.default_rng(0)), classifier)
     model = _Model(_state(classifier))
     runner.get_model = lambda: model
@@ -303,7 +307,7 @@ def test_hooked_model_forward_hands_the_model_its_rows_for_the_step_only():
 
 
 def test_a_runner_without_the_v1_surface_is_refused_loudly(ridgefill_log):
-    classifier = RowClassifier(SINK, TAIL, 0.0, None)
+    classifier = RowClassifier(RowPolicy(SINK, TAIL, 0.0), None)
     runner = _fake_runner(_step(np.random.default_rng(0)), classifier)
     del runner.input_batch.num_prompt_tokens
     model = _Model(_state(classifier))
@@ -320,7 +324,7 @@ def test_a_runner_without_the_v1_surface_is_refused_loudly(ridgefill_log):
 
 def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_log, monkeypatch):
     monkeypatch.setenv("RIDGEFILL_LOG_EVERY", "1")
-    classifier = RowClassifier(SINK, TAIL, 0.0, None)
+    classifier = RowClassifier(RowPolicy(SINK, TAIL, 0.0), None)
     state = _state(classifier)
     rows = step_rows(_fake_runner(_step(np.random.default_rng(0)), classifier), classifier)
     state.record(rows)
@@ -333,7 +337,7 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
     state.after_step()
     assert not any("inert" in m for m in ridgefill_log)
     # every row protected (share 1): a 90-token prompt ran rows between sink and tail, none of them bulk
-    inert = RowClassifier(SINK, TAIL, 1.0, torch.rand(500))
+    inert = RowClassifier(RowPolicy(SINK, TAIL, 1.0), torch.rand(500))
     state = _state(inert)
     for _ in range(2):
         step_rows(_fake_runner([("p", np.arange(90), [], 0, 90)], inert), inert)
@@ -359,7 +363,7 @@ def test_requests_with_bulk_rows_are_salted_and_capped_before_hashing():
 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    policy = pc.policy_for({"model": "m"}, 4, 16, 0.0, "ridge", lambda: True)
+    policy = pc.policy_for({"model": "m"}, RowPolicy(4, 16, 0.0), "ridge", lambda: True)
     core = SimpleNamespace(
         scheduler=SimpleNamespace(ridgefill_cache=policy),
         mm_receiver_cache=None,

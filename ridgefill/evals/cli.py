@@ -41,7 +41,7 @@ def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int |
         raise typer.BadParameter("without --maps, give --split", param_hint="--split")
     base = RowPolicy.of(ms.manifest["defaults"]) if ms else ROWS
     rows = replace(check_rows(base, sink=sink, tail=tail, share=share, **pooling), select=ROWS.select)
-    return FillPlan(mode, split or (ms.split if ms else 0), ms, **rows.as_dict())
+    return FillPlan(mode, split or (ms.split if ms else 0), ms, rows=rows)
 
 
 def _text_tokens(tok, text: list[str]) -> torch.Tensor:
@@ -82,16 +82,18 @@ def ruler(
     plan = _plan(ms, mode, split, sink, tail, share)
     plans = {"exact": FillPlan(), f"{plan.mode} S={plan.split}": plan}
     if with_identity and plan.mode != "identity":
-        plans[f"identity S={plan.split}"] = FillPlan("identity", plan.split, None, plan.sink, plan.tail)
+        plans[f"identity S={plan.split}"] = FillPlan(
+            "identity", plan.split, rows=ROWS.given(sink=plan.rows.sink, tail=plan.rows.tail)
+        )
     hay = load_haystack(haystack[0] if len(haystack) == 1 else haystack)
     result = run_ruler(lm, tok, plans, task or list(TASKS), length, hay, samples, seed)
     result["config"] = {
         "model": model,
         "maps": str(maps) if maps else None,
         "plans": list(plans),
-        "sink": plan.sink,
-        "tail": plan.tail,
-        "share": plan.share,
+        "sink": plan.rows.sink,
+        "tail": plan.rows.tail,
+        "share": plan.rows.share,
         "seed": seed,
     }
     typer.echo(table(result["scores"]))
@@ -137,8 +139,8 @@ def nll(
                 "maps": str(maps) if maps else None,
                 "mode": plan.mode,
                 "split": plan.split,
-                "tail": plan.tail,
-                "share": plan.share,
+                "tail": plan.rows.tail,
+                "share": plan.rows.share,
             },
             "lengths": result,
         },
@@ -176,7 +178,8 @@ def ttft(
     check_rows(ROWS, sink=sink, tail=tail, share=share, window=window, reach=reach)  # before a model or engine loads
     if engine == "transformers":
         lm, tok, ms = _load(model, maps)
-        plan = replace(_plan(ms, mode, split, sink, tail, share, window=window, reach=reach), select=select)
+        plan = _plan(ms, mode, split, sink, tail, share, window=window, reach=reach)
+        plan = replace(plan, rows=plan.rows.given(select=select))
         run = transformers_engine(lm)
     elif engine == "vllm":
         if maps is None:
@@ -195,7 +198,9 @@ def ttft(
         tok = llm.get_tokenizer()
         plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there
         q = served_model(llm).ridgefill.question
-        plan = replace(plan, select=select, **({"window": q.window, "reach": q.reach} if q else {}))
+        plan = replace(
+            plan, rows=plan.rows.given(select=select, **({"window": q.window, "reach": q.reach} if q else {}))
+        )
     else:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
@@ -221,11 +226,11 @@ def ttft(
                 "engine": engine,
                 "mode": plan.mode,
                 "split": plan.split,
-                "tail": plan.tail,
-                "share": plan.share,
-                "select": plan.select,
-                "window": plan.window,
-                "reach": plan.reach,
+                "tail": plan.rows.tail,
+                "share": plan.rows.share,
+                "select": plan.rows.select,
+                "window": plan.rows.window,
+                "reach": plan.rows.reach,
             },
             "lengths": result,
         },

@@ -58,7 +58,9 @@ def sample_cells(tokenizer, tasks: list[str], lengths: list[int], haystack, samp
 def sample_row(name: str, plan: FillPlan, task: str, length: int, x, new: list[int], tokenizer) -> dict:
     """One sample's outcome under `plan`: its generated tokens, decoded prediction, score and needle region."""
     text = tokenizer.decode(new, skip_special_tokens=True)
-    region = region_of(x.needle_spans, len(x.input_ids), plan.sink, plan.tail) if plan.mode != "exact" else "exact"
+    region = (
+        region_of(x.needle_spans, len(x.input_ids), plan.rows.sink, plan.rows.tail) if plan.mode != "exact" else "exact"
+    )
     return {
         "plan": name,
         "task": task,

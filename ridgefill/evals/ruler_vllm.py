@@ -8,6 +8,7 @@ that differs from another runtime's can be told apart from a near-tie.
 from __future__ import annotations
 
 from ridgefill.evals.ruler_run import aggregate, sample_cells, sample_row
+from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan
 
 
@@ -19,7 +20,7 @@ def served_plan(llm) -> FillPlan:
     if state is None:
         return FillPlan()
     c = state.classifier
-    return FillPlan(state.mode, state.split, state.maps, c.sink, c.tail, c.share)
+    return FillPlan(state.mode, state.split, state.maps, rows=RowPolicy(sink=c.sink, tail=c.tail, share=c.share))
 
 
 def generate_batch(llm, prompts: list[list[int]], max_new_tokens: list[int], margins: bool) -> list[dict]:

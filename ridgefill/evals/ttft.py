@@ -84,7 +84,7 @@ def plan_of(point, maps) -> FillPlan:
     """The FillPlan of a `ttft_model.Point`: exact, or ridge with the point's split's maps (`maps[split]`)."""
     if point.split is None:
         return FillPlan()
-    return FillPlan("ridge", point.split, maps[point.split], **point.rows.as_dict())
+    return FillPlan("ridge", point.split, maps[point.split], rows=point.rows)
 
 
 def point_timer(engine: Engine, maps, vocab_size: int, device: torch.device | str = "cpu"):

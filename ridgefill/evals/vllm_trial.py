@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ridgefill.runtime import FillPlan
@@ -35,15 +36,14 @@ def whole_prompts(job: dict) -> bool:
 
 
 def run_job(job: dict) -> dict:
-    """Build the engine once, run the job's RULER and TTFT on it; a JSON-ready result."""
-    from transformers import AutoTokenizer
-
+    """Build the engine once, run the job on it (with a `gate`, the trial's whole decision:
+    `ridgefill.decision.decide`); a JSON-ready result."""
     from ridgefill.vllm_plugin.offline import make_llm, served_model
 
-    ruler = job.get("ruler")
+    ruler, gate = job.get("ruler"), job.get("gate")
     batch = ruler["samples"] - ruler.get("first", 0) if ruler else 1
-    if job.get("promote") and ruler:
-        batch = max(batch, job["promote"]["samples"] - ruler["samples"])
+    if gate and gate.get("promote"):
+        batch = max(batch, gate["promote"] - gate["samples"])
     llm = make_llm(
         job["model"], job.get("maps"), max_model_len=engine_length(job), dtype=job.get("dtype", "float32"),
         options=job.get("options"), max_num_seqs=max(8, min(256, batch)),
@@ -53,82 +53,77 @@ def run_job(job: dict) -> dict:
     if job.get("maps") and state is None:
         raise RuntimeError(f"the engine refused the map folder {job['maps']} (see its warning above)")
     out: dict = {"ridgefill_active": state is not None, "seconds": {}}
-    if ruler:
-        from ridgefill.evals.ruler import load_haystack
-        from ridgefill.evals.ruler_vllm import run_ruler_vllm
-
-        tok = AutoTokenizer.from_pretrained(job["model"])
-        hay = load_haystack(ruler["haystack"])
-        t = time.perf_counter()
-        out["ruler"] = run_ruler_vllm(
-            llm, tok, ruler["plans"], list(ruler["tasks"]), list(ruler["lengths"]), hay, ruler["samples"],
-            ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler.get("first", 0),
-        )  # fmt: skip
-        out["seconds"]["ruler"] = time.perf_counter() - t
-    from ridgefill.evals.paired import cannot_pass, fails, needs_speed
-
     if job.get("calibrate"):
         out["calibrate"] = _calibrate(llm, job["calibrate"])
-    promote = job.get("promote") if ruler else None
-    if job.get("speedup") is not None:  # predicted (`ridgefill.ttft_model`): nothing is timed on this engine
-        if promote is not None and not _gate(job, out, cannot_pass):
-            _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=job["speedup"])
+    score = _scorer(llm, job, out) if ruler else None
+    if score and gate:
+        _decide(llm, job, score, out)
         return out
-    if not job.get("ttft") or _gate(job, out, cannot_pass):
-        return out
-    speed_decides = promote is not None and needs_speed(promote["bar"])
-    if promote is not None and not speed_decides:
-        _promote(llm, tok, hay, ruler, promote, job["exact"], out, speedup=0.0)
-    if not speed_decides and _gate(job, out, fails):  # fails on every sample it scored: not timed, as on transformers
-        return out
-    out["ttft"] = _ttft(llm, job["ttft"])
-    out["seconds"]["ttft"] = sum(r["seconds"] for r in out["ttft"].values())
-    if speed_decides:
-        _promote(llm, tok, hay, ruler, promote, job["exact"], out)
+    if score:
+        out["ruler"] = score(ruler.get("first", 0), ruler["samples"])
+    if job.get("ttft"):
+        out["ttft"] = _ttft(llm, job["ttft"], out)
     return out
 
 
-def _trial_rows(out: dict, exact: list[dict]) -> list[dict]:
-    return [r | {"plan": "trial"} for r in out["ruler"]["samples"] if r["plan"] == "p"] + exact
+@dataclass
+class Timed:
+    """One paired TTFT on this engine: its geometric-mean speed-up and the per-length results."""
+
+    speedup: float
+    results: dict
 
 
-def _gate(job: dict, out: dict, test) -> bool:
-    """The job's `gate` ({"max_drop", "seed"}) on the samples scored so far: `test` is `paired.cannot_pass` (the
-    first samples) or `paired.fails` (all of them); True skips the TTFT, as on transformers (`tasks.trial`)."""
-    gate = job.get("gate")
-    if not gate or "ruler" not in out:
-        return False
-    return test(_trial_rows(out, job["exact"]), "trial", gate["max_drop"], gate.get("seed", 0))
-
-
-def _promote(
-    llm, tok, hay, ruler: dict, promote: dict, exact: list[dict], out: dict, speedup: float | None = None
-) -> None:
-    """Multi-fidelity on the same engine: when the first samples (paired against the exact rows given) and
-    the speed-up (`speedup`, else the measured TTFT's) clear the bar, score the plan on samples up to
-    `promote["samples"]` and add them."""
-    from ridgefill.evals.paired import clears, mean_delta
-    from ridgefill.evals.ruler_run import aggregate
-    from ridgefill.evals.ruler_vllm import run_ruler_vllm
+def _decide(llm, job: dict, score, out: dict) -> None:
+    """The trial's decision on this engine, as on transformers: RULER, TTFT when it can matter, promotion."""
+    from ridgefill.decision import Gate, decide
     from ridgefill.evals.ttft import speedup_over_lengths
 
-    rows = out["ruler"]["samples"]
-    mean = mean_delta(_trial_rows(out, exact), "trial")
-    up = speedup_over_lengths(out["ttft"]) if speedup is None else speedup
-    out["promoted"] = mean is not None and clears(promote["bar"], mean, up)
-    if not out["promoted"]:
-        return
-    t = time.perf_counter()
-    more = run_ruler_vllm(
-        llm, tok, ruler["plans"], list(ruler["tasks"]), list(ruler["lengths"]), hay, promote["samples"],
-        ruler.get("seed", 0), margins=bool(ruler.get("margins")), first=ruler["samples"],
-    )  # fmt: skip
-    out["ruler"]["samples"] = rows + more["samples"]
-    out["ruler"]["scores"] = aggregate(out["ruler"]["samples"])
-    out["seconds"]["promoted"] = time.perf_counter() - t
+    def time() -> Timed:
+        res = _ttft(llm, job["ttft"], out)
+        return Timed(speedup_over_lengths(res), res)
+
+    predicted = job.get("speedup")
+    if predicted is None and not job.get("ttft"):
+        raise ValueError("a trial job times its trial (`ttft`) or carries a predicted `speedup`")
+    d = decide(score, time, _merge, Gate(**job["gate"]), predicted)
+    out["ruler"], out["promoted"], out["reachable"] = d.ruler, d.promoted, d.reachable
+    if d.timing is not None:
+        out["ttft"] = d.timing.results
 
 
-def _ttft(llm, t: dict) -> dict:
+def _scorer(llm, job: dict, out: dict):
+    """score(first, last): the job's RULER plans on sample indices first..last-1, a batch per task x length."""
+    from transformers import AutoTokenizer
+
+    from ridgefill.evals.ruler import load_haystack
+    from ridgefill.evals.ruler_vllm import run_ruler_vllm
+
+    r = job["ruler"]
+    tok, hay = AutoTokenizer.from_pretrained(job["model"]), load_haystack(r["haystack"])
+
+    def score(first: int, last: int) -> dict:
+        t = time.perf_counter()
+        res = run_ruler_vllm(
+            llm, tok, r["plans"], list(r["tasks"]), list(r["lengths"]), hay, last, r.get("seed", 0),
+            margins=bool(r.get("margins")), first=first,
+        )  # fmt: skip
+        key = "ruler" if first == r.get("first", 0) else "promoted"
+        out["seconds"][key] = time.perf_counter() - t
+        return res
+
+    return score
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Two `run_ruler_vllm` results on disjoint samples of the same plans as one."""
+    from ridgefill.evals.ruler_run import aggregate
+
+    samples = a["samples"] + b["samples"]
+    return a | {"samples": samples, "scores": aggregate(samples)}
+
+
+def _ttft(llm, t: dict, out: dict) -> dict:
     """Paired TTFT (exact vs the served maps) per length on the engine, as `eval ttft` measures it."""
     from ridgefill.evals.ruler_vllm import served_plan
     from ridgefill.evals.ttft import paired_ttft, random_prompt
@@ -141,6 +136,7 @@ def _ttft(llm, t: dict) -> dict:
         start = time.perf_counter()
         res[str(n)] = paired_ttft(run, random_prompt(vocab, n), plan, t.get("repeats", 3), t.get("warmup", 1))
         res[str(n)]["seconds"] = time.perf_counter() - start
+    out["seconds"]["ttft"] = sum(r["seconds"] for r in res.values())
     return res
 
 

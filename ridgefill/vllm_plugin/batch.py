@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ridgefill.rows import protected_mask
+from ridgefill.rows import RowPolicy, protected_mask
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 class RowClassifier:
     """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
 
-    def __init__(self, sink: int, tail: int, share: float, scores: Tensor | None, question: bool = False) -> None:
-        self.sink, self.tail, self.share, self.scores = sink, tail, share, scores
-        self.question = question  # the share is picked in the forward, from the question's attention
+    def __init__(self, policy: RowPolicy, scores: Tensor | None) -> None:
+        self.policy, self.scores = policy, scores
+        self.question = policy.by_question  # the share is picked in the forward, from the question's attention
         self.kept: dict[tuple[str, int], Kept] = {}  # question prompts under way over several steps
         self.exact: set[tuple[str, int]] = set()  # question prompts that run exact (see classify)
         self.exact_prompts = 0  # question prompts run exact, counted as their prompt ends
@@ -113,8 +113,8 @@ class RowClassifier:
         key = (req_id, len(prompt_ids))
         if key not in self.masks:
             ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64))
-            share, scores = (0.0, None) if self.question else (self.share, self.scores)
-            self.masks[key] = protected_mask(ids, self.sink, self.tail, share, scores).numpy()
+            share, scores = (0.0, None) if self.question else (self.policy.share, self.scores)
+            self.masks[key] = protected_mask(ids, self.policy.sink, self.policy.tail, share, scores).numpy()
         return self.masks[key]
 
     def classify(
@@ -162,7 +162,7 @@ class RowClassifier:
             mask = self.prompt_mask(req_ids[r], prompt_ids(r, plen))
             p = pos[a:b]
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
-            if self.question and plen > self.sink + self.tail:
+            if self.question and plen > self.policy.sink + self.policy.tail:
                 q = Question(a, b, r, req_ids[r], plen, int(computed[r]), int(p[-1]) >= plen - 1)
                 protected[a:b] = self._question_rows(q, p, protected[a:b])
                 if q.key not in self.exact:
@@ -204,7 +204,7 @@ class RowClassifier:
         if q.key in self.exact:
             self.exact_prompts += int(q.last)
             return np.ones_like(mask)
-        return mask if q.last else pos < self.sink
+        return mask if q.last else pos < self.policy.sink
 
     def run_exact(self, q: Question) -> None:
         """The forward found nothing kept for a question prompt past its start (its earlier chunks ran stock):
@@ -215,19 +215,20 @@ class RowClassifier:
 
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
         """Note a prompt that ran rows between its sink and tail with none of them bulk (once its prompt is done)."""
-        if plen <= self.sink + self.tail:
+        if plen <= self.policy.sink + self.policy.tail:
             return
         seen = self.fill.setdefault((req_id, plen), [0, 0])
-        zone = (pos >= self.sink) & (pos < plen - self.tail)
+        zone = (pos >= self.policy.sink) & (pos < plen - self.policy.tail)
         seen[0] += int(zone.sum())
         seen[1] += int((~protected).sum())
         if pos[-1] >= plen - 1 and seen[0] > 0 and seen[1] == 0 and self.inert is None:
             why = "and the classifier protected them all"
-            if self.share >= 1:
+            if self.policy.share >= 1:
                 why = "with share 1 (every row protected)"
             elif (req_id, plen) in self.exact:
                 why = "exactly: a question prompt first scheduled past its start, without its earlier chunks' rows"
-            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between sink {self.sink} and tail {self.tail} {why}"
+            edges = f"sink {self.policy.sink} and tail {self.policy.tail}"
+            self.inert = f"a {plen}-token prompt ran {seen[0]} rows between {edges} {why}"
 
 
 def _runs(protected: np.ndarray, req_of_token: np.ndarray, positions: np.ndarray) -> list[tuple[int, int, int]]:

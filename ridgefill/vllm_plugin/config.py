@@ -7,7 +7,6 @@ sides of an engine agree on whether RidgeFill serves and with which options, whi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from ridgefill import settings
 from ridgefill.rows import ROWS, RowPolicy
@@ -74,56 +73,32 @@ def unsupported(vllm_config) -> str | None:
     return None
 
 
-def serve_options(cfg, manifest: dict) -> tuple[int, int, float, str]:
-    """(sink, tail, share, mode): hf_overrides `ridgefill_*` over the folder's defaults; ValueError if invalid."""
+def serve_options(cfg, manifest: dict) -> tuple[RowPolicy, str]:
+    """(row policy, mode): the hf_overrides `ridgefill_*` over the folder's defaults (`ridgefill_select`,
+    `_query`, `_window`, `_score_layers`, `_reach` shape the question selector); ValueError if invalid."""
     d = manifest["defaults"]
     rows = RowPolicy(
         _option(cfg, "sink", int(d["sink"])),
         _option(cfg, "tail", int(d["tail"])),
         _option(cfg, "share", float(d["share"])),
-    ).check(PREFIX)
-    mode = _option(cfg, "mode", "ridge")
-    if mode not in ("ridge", "plumb"):
-        raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
-    return rows.sink, rows.tail, rows.share, mode
-
-
-@dataclass(frozen=True)
-class QuestionRows:
-    """The "question" selector on vLLM: the last `query` prompt rows' attention in the `layers` exact layers
-    below the split, max-pooled +-`window` and `reach` rows further forward, picks the protected share (as
-    `ridgefill.runtime` does)."""
-
-    query: int
-    window: int
-    layers: int
-    reach: int = 0
-
-
-def question_rows(cfg, manifest: dict, share: float) -> QuestionRows | None:
-    """The question selector's options (hf_overrides `ridgefill_select="question"`, `ridgefill_query`,
-    `ridgefill_window`, `ridgefill_score_layers`, `ridgefill_reach`), or None for the rarity selector; ValueError
-    if invalid."""
-    d = manifest["defaults"]
-    select = _option(cfg, "select", str(d.get("select", ROWS.select)))
-    if select == "rarity" or share == 0.0:  # nothing to choose without a share
-        return None
-    if select != "question":
-        raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {select!r})")
-    rows = QuestionRows(
+        _option(cfg, "select", str(d.get("select", ROWS.select))),
         _option(cfg, "query", int(d.get("query", ROWS.query))),
         _option(cfg, "window", int(d.get("window", ROWS.window))),
         _option(cfg, "score_layers", int(d.get("score_layers", ROWS.score_layers))),
         _option(cfg, "reach", int(d.get("reach", ROWS.reach))),
-    )
-    if share >= 1.0:
-        raise ValueError(f"ridgefill_select='question' needs ridgefill_share below 1 (got {share})")
-    RowPolicy(
-        share=share, select=select, query=rows.query, window=rows.window, score_layers=rows.layers, reach=rows.reach
     ).check(PREFIX)
-    if rows.layers > int(manifest["split"]):
-        raise ValueError(f"ridgefill_score_layers must not exceed the split {manifest['split']} (got {rows.layers})")
-    return rows
+    if rows.select not in ("rarity", "question") and rows.share > 0:
+        raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {rows.select!r})")
+    if rows.by_question:
+        if rows.share >= 1.0:
+            raise ValueError(f"ridgefill_select='question' needs ridgefill_share below 1 (got {rows.share})")
+        if rows.score_layers > int(manifest["split"]):
+            split = manifest["split"]
+            raise ValueError(f"ridgefill_score_layers must not exceed the split {split} (got {rows.score_layers})")
+    mode = _option(cfg, "mode", "ridge")
+    if mode not in ("ridge", "plumb"):
+        raise ValueError(f"ridgefill_mode must be 'ridge' or 'plumb' (got {mode!r})")
+    return rows, mode
 
 
 def _option(cfg, name: str, default):

@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
-from ridgefill.rows import question_attention, question_mask
+from ridgefill.rows import RowPolicy, question_attention, question_mask
 from ridgefill.vllm_plugin.backend import attend, write_kv, write_kv_at
 from ridgefill.vllm_plugin.batch import (
     Kept,
@@ -37,7 +37,7 @@ from ridgefill.vllm_plugin.batch import (
     to_device,
     with_rows_before,
 )
-from ridgefill.vllm_plugin.config import QuestionRows, maps_path, question_rows, serve_options, unsupported
+from ridgefill.vllm_plugin.config import maps_path, serve_options, unsupported
 from ridgefill.vllm_plugin.patches import PATCHES, log_every
 
 log = init_logger("vllm.ridgefill")
@@ -82,12 +82,16 @@ class ServeState:
     counters: Counters = field(default_factory=Counters)
     refused: str | None = None  # set once the runner hook found it cannot classify: stock for good
     warned_inert: bool = False
-    question: QuestionRows | None = None  # the share picked by the question's attention (select "question")
     chosen: dict[str, list[int]] = field(default_factory=dict)  # request -> its question-protected positions
 
     @property
     def split(self) -> int:
         return self.maps.split
+
+    @property
+    def question(self) -> RowPolicy | None:
+        """The row policy when its share is picked by the question's attention (select "question"), else None."""
+        return self.classifier.policy if self.classifier.question else None
 
     def refuse(self, why: str) -> None:
         self.refused, self.enabled = why, False
@@ -170,8 +174,7 @@ class RidgeFillMixin:
             errors, _ = compare(maps.manifest["model"], fp)
             if errors:
                 raise MapError("maps do not match this model: " + "; ".join(errors))
-            self._rf_options = serve_options(cfg, maps.manifest)
-            self._rf_question = question_rows(cfg, maps.manifest, self._rf_options[2])
+            self._rf_options = serve_options(cfg, maps.manifest)  # (row policy, mode)
         except (MapError, OSError, ValueError) as e:
             log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
             return
@@ -224,10 +227,10 @@ class RidgeFillMixin:
             if m:
                 shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
                 kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, self._rf_dtype)
-        sink, tail, share, mode = self._rf_options
-        question = self._rf_question
-        classifier = RowClassifier(sink, tail, share, maps.scores, question=question is not None)
-        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv, question=question)
+        policy, mode = self._rf_options
+        classifier = RowClassifier(policy, maps.scores)
+        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
+        question = state.question
         atexit.register(_log_at_exit, state)
         log.info(
             "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g (%s), mode %s, "
@@ -236,12 +239,15 @@ class RidgeFillMixin:
             getattr(cfg, "name_or_path", ""),
             maps.path,
             maps.split,
-            classifier.sink,
-            classifier.tail,
-            classifier.share,
-            "rarity" if question is None else f"question: {question}",
+            policy.sink,
+            policy.tail,
+            policy.share,
+            "rarity"
+            if question is None
+            else f"question: query {question.query}, window {question.window}, "
+            f"score_layers {question.score_layers}, reach {question.reach}",
             mode,
-            ("filled blocks kept apart" if classifier.share == 0 else "off for requests with bulk rows")
+            ("filled blocks kept apart" if policy.share == 0 else "off for requests with bulk rows")
             if self._rf_prefix_caching
             else "off",
         )
@@ -258,7 +264,7 @@ class RidgeFillMixin:
         m, n = self.model, rows.num_tokens
         pos = positions[:n]
         h, res = m.embed_input_ids(input_ids[:n]), None
-        scored = range(st.split - st.question.layers, st.split) if st.question and rows.questions else ()
+        scored = range(st.split - st.question.score_layers, st.split) if st.question and rows.questions else ()
         inputs = {}  # layer -> its input stream, for the question's attention
         for idx, layer in enumerate(m.layers[: st.split]):
             if idx in scored:
@@ -332,7 +338,7 @@ class RidgeFillMixin:
             if len(st.chosen) > 256:  # a record for the tests and the curious, not a log of every request
                 st.chosen.pop(next(iter(st.chosen)))
             earlier = mask[: q.start].nonzero().squeeze(-1)
-            earlier = earlier[earlier >= c.sink]
+            earlier = earlier[earlier >= c.policy.sink]
             if q.start == 0:
                 st.counters.question_one_step += 1
             else:
@@ -375,9 +381,9 @@ class RidgeFillMixin:
 
         The last `query` head rows score every head row, summed over heads and the scored layers, max-pooled.
         """
-        c, q = st.classifier, st.question
+        q = st.question
         attention = None
-        for i, idx in enumerate(range(st.split - q.layers, st.split)):
+        for i, idx in enumerate(range(st.split - q.score_layers, st.split)):
             attn = self.model.layers[idx].self_attn
             keys, queries = torch.cat(kept.keys[i]), torch.cat(kept.queries[i])
             if keys.shape[0] != n or queries.shape[0] != min(q.query, n):
@@ -388,7 +394,7 @@ class RidgeFillMixin:
             )
             attention = a if attention is None else attention + a
         attention = _all_heads(attention)
-        return question_mask(attention, c.sink, max(1, c.tail - 1), c.share, q.window, q.reach).cpu()
+        return question_mask(attention, q.sink, max(1, q.tail - 1), q.share, q.window, q.reach).cpu()
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:

@@ -128,20 +128,14 @@ def serve_rows(llm, rows) -> None:
     several policies of one split paired against exact; only between requests (the classifier holds per-request
     state)."""
     from ridgefill.vllm_plugin.batch import RowClassifier
-    from ridgefill.vllm_plugin.config import QuestionRows
 
     state = served_model(llm).ridgefill
-    rows.check("ridgefill_")
-    question = None
-    if rows.select == "question" and rows.share > 0:
-        question = QuestionRows(rows.query, rows.window, rows.score_layers, rows.reach)
-    state.classifier = RowClassifier(rows.sink, rows.tail, rows.share, state.maps.scores, question=question is not None)
-    state.question = question
+    state.classifier = RowClassifier(rows.check("ridgefill_"), state.maps.scores)
 
 
 def tail_of(state) -> int:
     """Prompt tokens always run exact (sink + tail): a prompt no longer than this has no bulk rows."""
-    return state.classifier.sink + state.classifier.tail
+    return state.classifier.policy.sink + state.classifier.policy.tail
 
 
 def run_case(case: dict) -> dict:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridgefill.rows import RowPolicy
+
 CAP = "ridgefill_cache_cap"  # attribute set on vLLM Requests: tokens that may be cached and reused
 
 
@@ -35,23 +37,23 @@ class CachePolicy:
     """What a filled block depends on (`tag`) and the row policy that bounds what may be cached."""
 
     tag: str
-    sink: int
-    tail: int
-    share: float
+    rows: RowPolicy
     enabled: Callable[[], bool]
 
     def cap(self, prompt_len: int) -> int | None:
         """Tokens of this prompt that may be cached or reused; None for a request served stock."""
-        if not self.enabled() or prompt_len <= self.sink + self.tail:
+        r = self.rows
+        if not self.enabled() or prompt_len <= r.sink + r.tail:
             return None
-        return 0 if self.share > 0 else prompt_len - self.tail
+        return 0 if r.share > 0 else prompt_len - r.tail
 
 
-def policy_for(manifest: dict, sink: int, tail: int, share: float, mode: str, enabled: Callable[[], bool]):
-    """The policy of a map folder served with these options (the tag names what filled K/V depend on)."""
+def policy_for(manifest: dict, rows: RowPolicy, mode: str, enabled: Callable[[], bool]) -> CachePolicy:
+    """The policy of a map folder served with this row policy and mode (the tag names what filled K/V depend
+    on)."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     nonce = secrets.token_hex(8)  # a stock request cannot pick this engine's salt as its own cache_salt
-    return CachePolicy(f"ridgefill/{digest}/{mode}/sink{sink}/{nonce}", sink, tail, share, enabled)
+    return CachePolicy(f"ridgefill/{digest}/{mode}/sink{rows.sink}/{nonce}", rows, enabled)
 
 
 def policy_from_config(vllm_config) -> CachePolicy | None:
@@ -67,10 +69,10 @@ def policy_from_config(vllm_config) -> CachePolicy | None:
         return None
     try:
         manifest = read_manifest(Path(path))
-        sink, tail, share, mode = serve_options(mc.hf_config, manifest)
+        rows, mode = serve_options(mc.hf_config, manifest)
     except (OSError, ValueError):  # MapError too: the model refuses the folder as well, and serves stock
         return None
-    return policy_for(manifest, sink, tail, share, mode, lambda: True)
+    return policy_for(manifest, rows, mode, lambda: True)
 
 
 def engine_policy(vllm_config, model=None) -> CachePolicy | None:
@@ -81,8 +83,7 @@ def engine_policy(vllm_config, model=None) -> CachePolicy | None:
     state = getattr(model, "ridgefill", None)
     if state is None or not vllm_config.cache_config.enable_prefix_caching:
         return None
-    c = state.classifier
-    return policy_for(state.maps.manifest, c.sink, c.tail, c.share, state.mode, lambda: state.enabled)
+    return policy_for(state.maps.manifest, state.classifier.policy, state.mode, lambda: state.enabled)
 
 
 def request_cap(policy: CachePolicy | None, request) -> int | None:
