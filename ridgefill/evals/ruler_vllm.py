@@ -8,7 +8,6 @@ that differs from another runtime's can be told apart from a near-tie.
 from __future__ import annotations
 
 from ridgefill.evals.ruler_run import aggregate, sample_cells, sample_row
-from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan
 
 
@@ -19,8 +18,7 @@ def served_plan(llm) -> FillPlan:
     state = getattr(served_model(llm), "ridgefill", None)
     if state is None:
         return FillPlan()
-    c = state.classifier
-    return FillPlan(state.mode, state.split, state.maps, rows=RowPolicy(sink=c.sink, tail=c.tail, share=c.share))
+    return FillPlan(state.mode, state.split, state.maps, rows=state.classifier.policy)
 
 
 def generate_batch(llm, prompts: list[list[int]], max_new_tokens: list[int], margins: bool) -> list[dict]:
