@@ -71,6 +71,7 @@ def test_every_patch_is_applied_once_and_recorded():
         "VllmConfig.use_v2_model_runner",
         "VllmConfig.__post_init__",
         "GPUModelRunner._model_forward",
+        "GPUModelRunner._on_request_state_removed",
         "EngineCore.__init__",
         "EngineCore.preprocess_add_request",
         "KVCacheManager.get_computed_blocks",
@@ -331,6 +332,7 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
     bulk = int((~rows.protected).sum())
     want = {"bulk_steps": 1, "bulk_rows": bulk, "protected_rows": 218 - bulk, "mixed_steps": 1}
     want |= {"question_one_step": 0, "question_chunked": 0, "question_exact": 0, "question_late_rows": 0}
+    want |= {"kept_prompts": 0}
     assert state.counters.as_dict() == want and rows.decodes == 1  # "dec" (the preempted one re-prefills)
     line = f"RidgeFill counters: 1 steps with bulk rows, {bulk} bulk rows filled"
     assert any(m.startswith(line) for m in ridgefill_log)

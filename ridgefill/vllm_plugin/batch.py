@@ -192,6 +192,14 @@ class RowClassifier:
             del self.kept[stale]  # a request that ended (or was aborted) mid-prompt, or a prompt that grew
         self.exact &= live
 
+    def release(self, req_id: str) -> None:
+        """Drop all that is kept for a request the runner let go (finished or aborted) at once: the next step
+        that runs the model, where `_forget` would drop it, may be long in coming on an idle server."""
+        for kept in (self.kept, self.masks, self.fill):
+            for key in [k for k in kept if k[0] == req_id]:
+                del kept[key]
+        self.exact = {k for k in self.exact if k[0] != req_id}
+
     def _question_rows(self, q: Question, pos: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The protected rows of a question prompt's tokens in this step, before the forward's choice."""
         if q.start == 0:  # a new prompt, or one recomputed from its start (preemption): start afresh

@@ -56,16 +56,17 @@ class Counters:
     question_chunked: int = 0  # prompts whose share the question chose over several steps (chunked prefill)
     question_exact: int = 0  # question prompts run exact (first scheduled past their start: see batch.py)
     question_late_rows: int = 0  # rows of earlier chunks the question chose, run through the late layers later
+    kept_prompts: int = 0  # a gauge, not a count: question prompts whose material (`batch.Kept`) is held now
 
     def as_dict(self) -> dict[str, int]:
         names = ("bulk_steps", "bulk_rows", "protected_rows", "mixed_steps")
-        names += ("question_one_step", "question_chunked", "question_exact", "question_late_rows")
+        names += ("question_one_step", "question_chunked", "question_exact", "question_late_rows", "kept_prompts")
         return {n: getattr(self, n) for n in names}
 
     def line(self) -> str:
         return (
             f"RidgeFill counters: {self.bulk_steps} steps with bulk rows, {self.bulk_rows} bulk rows filled, "
-            f"{self.protected_rows} protected rows run"
+            f"{self.protected_rows} protected rows run, {self.kept_prompts} prompts with kept material"
         )
 
 
@@ -93,6 +94,11 @@ class ServeState:
         """The row policy when its share is picked by the question's attention (select "question"), else None."""
         return self.classifier.policy if self.classifier.question else None
 
+    def release(self, req_id: str) -> None:
+        """The runner let a request go (finished or aborted): free what the classifier keeps for it now."""
+        self.classifier.release(req_id)
+        self.counters.kept_prompts = len(self.classifier.kept)
+
     def refuse(self, why: str) -> None:
         self.refused, self.enabled = why, False
 
@@ -113,6 +119,7 @@ class ServeState:
     def after_step(self) -> None:
         """Warn once if a long prompt ran with zero bulk rows."""
         self.counters.question_exact = self.classifier.exact_prompts
+        self.counters.kept_prompts = len(self.classifier.kept)
         why = self.classifier.inert
         if why and not self.warned_inert:
             self.warned_inert = True

@@ -12,6 +12,8 @@ vLLM versions the plugin is tested with; anything else is refused by name and th
   steps change shape with the row classes.
 - `GPUModelRunner._model_forward` (V1; the CPU runner inherits it): classify each step's rows from the
   runner's host-side batch before the model runs (`batch.step_rows`).
+- `GPUModelRunner._on_request_state_removed`: a finished or aborted request's kept material is freed when
+  the runner lets it go (`ServeState.release`), even when no model step follows.
 - `EngineCore.__init__`, `EngineCore.preprocess_add_request`, `KVCacheManager.get_computed_blocks`,
   `KVCacheCoordinator.cache_blocks`: the prefix-cache rule of `prefix_cache.py`, one policy per engine.
 """
@@ -213,6 +215,17 @@ def hook_runner() -> None:
         return _model_forward
 
     replace(GPUModelRunner, "_model_forward", make)
+
+    def make_release(original):
+        def _on_request_state_removed(self, req_id, req_state):
+            original(self, req_id, req_state)
+            state = getattr(getattr(self, "model", None), "ridgefill", None)
+            if state is not None:  # finished or aborted: its kept material goes now, not at the next forward
+                state.release(req_id)
+
+        return _on_request_state_removed
+
+    replace(GPUModelRunner, "_on_request_state_removed", make_release)
 
 
 # --- prefix caching ----------------------------------------------------------------------------
