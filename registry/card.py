@@ -127,6 +127,38 @@ def certified_ttft(cert: Mapping | None) -> list[EvalResult]:
     return _certified_entries("Time to first token", dataset, args, how, values)
 
 
+def calibration_of(manifest: dict) -> dict | None:
+    """What the maps were fitted on, from the manifest's fit provenance: the calibration sources (names, never
+    local paths) and the tokens fitted on, in windows of `window`; None when the manifest does not say."""
+    fit = manifest.get("fit") or {}
+    if "source" not in fit:
+        return None
+    src = fit["source"]
+    return {
+        "sources": [src] if isinstance(src, str) else list(src),
+        "tokens": fit.get("tokens"),
+        "window": fit.get("window"),
+    }
+
+
+def _text(manifest: dict, cert: Mapping | None) -> str:
+    """The calibration text and the certification haystack side by side, so a reader sees whether the
+    certified figure was measured on text the maps were not fitted on."""
+    cal = calibration_of(manifest)
+    if cal is None:
+        fitted = "Calibration text: not recorded in this map's manifest."
+    else:
+        tokens = "an unrecorded number of" if cal["tokens"] is None else f"{cal['tokens']:,}"
+        fitted = f"Calibration text (the ridge fit): {', '.join(cal['sources'])}; {tokens} tokens"
+        fitted += "." if cal["window"] is None else f" in windows of {cal['window']}."
+    if not cert:
+        return f"{fitted}\nCertification haystack: none (not certified).\n"
+    return (
+        f"{fitted}\nCertification haystack: {cert['haystack']}; n = {cert['n']} pairs, mean paired delta "
+        f"{cert['delta']:+.1f} [{cert['ci_lo']:+.1f}, {cert['ci_hi']:+.1f}] (95% CI).\n"
+    )
+
+
 def card_data(
     manifest: dict,
     results: Mapping,
@@ -162,6 +194,8 @@ def card_data(
             "defaults": manifest.get("defaults", {}),
             "fingerprint": {k: manifest["model"].get(k) for k in ("architecture", "num_layers", "tokenizer_sha256")},
             "study": study,
+            "calibration": calibration_of(manifest),
+            "certify_haystack": (results.get(CERTIFIED) or {}).get("haystack"),
         },
     )
 
@@ -246,6 +280,9 @@ input; protected rows (first {d.get("sink")}, last {d.get("tail")}, share {d.get
 RULER: accuracy by task/length/region during the search (few samples per task: small n; the certified numbers
 are below); dNLL: mean NLL difference (nats). The speed is the certified TTFT below, never a search-time figure.
 
+## Text
+
+{_text(manifest, results.get(CERTIFIED))}
 ## Certification
 
 {_certified(results.get(CERTIFIED))}

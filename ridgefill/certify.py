@@ -33,6 +33,8 @@ def haystack_label(source: str | list[str], words_sha: str) -> str:
     """What the card may say about the haystack: its name (never a local path) and its words' hash."""
     if source == "pydoc":
         name = "pydoc (Python's own documentation)"
+    elif source == "prose":
+        name = "prose (the installed packages' README prose)"
     else:
         files = [source] if isinstance(source, str) else source
         name = ", ".join(Path(f).name for f in files)

@@ -1,12 +1,18 @@
 """Calibration text: where it comes from, how it is cut into token windows, and its hash.
 
 Sources: the embedded default (the stdlib's `pydoc_data.topics`, ~750 KB of English prose every Python
-install has), local text files or folders, or a `datasets` dataset ("hf:name[:config]:split[:column]").
+install has), `prose` (the installed packages' README prose, also offline and not pydoc: a haystack or
+calibration text from another domain than the default's), local text files or folders, or a `datasets`
+dataset ("hf:name[:config]:split[:column]").
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +20,14 @@ import torch
 from torch import Tensor
 
 DEFAULT_SOURCE = "pydoc"
+PROSE = "prose"
+# prose: a paragraph is kept with at least this many words, a distribution with at least this many kept words,
+# and the whole source must reach the last figure (a smaller install has too little text to be a haystack)
+PROSE_PARAGRAPH_WORDS = 15
+PROSE_DOC_WORDS = 150
+PROSE_MIN_WORDS = 20_000
+_KEPT, _BREAKS = ("text", "code_inline"), ("softbreak", "hardbreak")  # link marks, images and HTML give ""
+_URL = re.compile(r"\S*(?:://|www\.)\S*")
 
 
 @dataclass
@@ -29,12 +43,67 @@ class Corpus:
         return h.hexdigest()
 
 
-def load_corpus(source: str | list[str] = DEFAULT_SOURCE) -> Corpus:
-    """Load calibration documents from `pydoc`, text files/folders, or `hf:name[:config]:split[:column]`."""
-    if isinstance(source, str | Path) and str(source) == DEFAULT_SOURCE:
-        from pydoc_data.topics import topics
+def pydoc_documents() -> list[str]:
+    """The stdlib's pydoc topics in key order: English prose, but Python's own documentation."""
+    from pydoc_data.topics import topics
 
-        return Corpus(DEFAULT_SOURCE, [topics[k] for k in sorted(topics)])
+    return [topics[k] for k in sorted(topics)]
+
+
+def prose_paragraphs(markdown: str) -> list[str]:
+    """The top-level paragraphs of a markdown text as plain sentences: headings, lists, tables, quotes, HTML
+    and code blocks dropped (they are not prose), link text kept and URLs dropped; a paragraph is kept only
+    when it has `PROSE_PARAGRAPH_WORDS` words and ends a sentence."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable("table").parse(markdown)
+    out = []
+    for opening, inline in zip(tokens, tokens[1:], strict=False):
+        if opening.type != "paragraph_open" or opening.level != 0 or not inline.children:
+            continue
+        parts = [c.content if c.type in _KEPT else " " if c.type in _BREAKS else "" for c in inline.children]
+        words = _URL.sub(" ", "".join(parts)).split()
+        if len(words) >= PROSE_PARAGRAPH_WORDS and words[-1][-1] in ".!?":
+            out.append(" ".join(words))
+    return out
+
+
+def prose_documents() -> list[str]:
+    """The installed distributions' markdown long descriptions (their READMEs) as plain prose, one document
+    per distribution in name order; RidgeFill's own (it changes with this checkout) and repeats are left out.
+    Offline on any install of this package; what it holds follows the installed packages (its words' sha256
+    names it wherever it is used). Read once per process (about a second)."""
+    return list(_prose())
+
+
+@functools.cache
+def _prose() -> tuple[str, ...]:
+    seen, docs = set(), {}
+    for dist in importlib.metadata.distributions():
+        meta = dist.metadata
+        name = re.sub(r"[-_.]+", "-", (meta["Name"] or "")).lower()
+        if name in ("", "ridgefill") or name in docs or "markdown" not in (meta["Description-Content-Type"] or ""):
+            continue
+        text = "\n\n".join(prose_paragraphs(meta.get_payload() or meta["Description"] or ""))
+        if len(text.split()) >= PROSE_DOC_WORDS and text not in seen:
+            seen.add(text)
+            docs[name] = text
+    words = sum(len(d.split()) for d in docs.values())
+    if words < PROSE_MIN_WORDS:
+        raise ValueError(
+            f"the installed packages' READMEs hold {words} words of prose, fewer than {PROSE_MIN_WORDS}: "
+            "use pydoc, text files or a dataset instead"
+        )
+    return tuple(docs[k] for k in sorted(docs))
+
+
+NAMED: dict[str, Callable[[], list[str]]] = {DEFAULT_SOURCE: pydoc_documents, PROSE: prose_documents}
+
+
+def load_corpus(source: str | list[str] = DEFAULT_SOURCE) -> Corpus:
+    """Load calibration documents from `pydoc`, `prose`, text files/folders, or `hf:name[:config]:split[:column]`."""
+    if isinstance(source, str | Path) and str(source) in NAMED:
+        return Corpus(str(source), NAMED[str(source)]())
     if isinstance(source, str) and source.startswith("hf:"):
         return _load_dataset(source)
     paths = [Path(p) for p in ([source] if isinstance(source, str | Path) else source)]

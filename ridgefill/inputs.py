@@ -75,11 +75,14 @@ def check_splits(splits: list[int], layers: int, where: str = "--split") -> None
         )
 
 
+NAMED_SOURCES = ("pydoc", "prose")  # the text every install has: `ridgefill.corpus.NAMED` (torch-free here)
+
+
 def check_sources(source: str | list[str], what: str = "--source") -> None:
-    """Text files and folders must exist ('pydoc' and hf:... datasets are not files)."""
+    """Text files and folders must exist ('pydoc', 'prose' and hf:... datasets are not files)."""
     for s in [source] if isinstance(source, str) else source:
-        if s != "pydoc" and not str(s).startswith("hf:") and not Path(s).expanduser().exists():
-            raise InputError(f"{what}: {s} does not exist: give existing .txt files or folders, or 'pydoc'")
+        if s not in NAMED_SOURCES and not str(s).startswith("hf:") and not Path(s).expanduser().exists():
+            raise InputError(f"{what}: {s} does not exist: give existing .txt files or folders, 'pydoc' or 'prose'")
 
 
 def check_rows(base: RowPolicy, **given) -> RowPolicy:

@@ -4,6 +4,11 @@ A study fixes the model and revision, the calibration corpus and its token budge
 (splits, lambda range, tail sizes, protected-row share), the objectives (RULER tasks and lengths, TTFT
 lengths), the constraint (largest RULER drop), the trial budget, the engine and hardware hints, and the
 certification a chosen map must pass before it is published.
+
+The certification's haystack must be other text than the calibration source (issue 27): a map certified on
+the text it was fitted on says nothing about prompts nobody fitted on, and the card would carry that figure
+as if it did. A study that names the same source, or a haystack inside a calibration folder, is refused at
+load with the fix (one rule, checked once, so no certificate anywhere needs an in-domain mark).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ridgefill.evals.ruler import TASKS
-from ridgefill.inputs import InputError, check_sources, model_config, num_layers, split_range
+from ridgefill.inputs import NAMED_SOURCES, InputError, check_sources, model_config, num_layers, split_range
 from ridgefill.rows import ROWS
 
 Pos = Annotated[int, Field(gt=0)]
@@ -116,9 +121,11 @@ class Ruler(_Strict):
 
 class Certify(Ruler):
     """The fuller RULER run a chosen map must pass before it is published (paired against exact on the same
-    samples): it passes when the 95% CI lower bound of the mean paired delta is >= -max_drop."""
+    samples): it passes when the 95% CI lower bound of the mean paired delta is >= -max_drop. Its haystack
+    defaults to `prose`, not the calibration's default `pydoc`: out of domain (see the module docstring)."""
 
     samples: Pos = 20
+    haystack: str | list[str] = "prose"
     max_drop: Annotated[float, Field(ge=0)] | None = Field(
         None, description="RULER points the CI lower bound may lose; default constraints.max_ruler_drop"
     )
@@ -216,6 +223,15 @@ class Study(_Strict):
             raise ValidationError.from_exception_data("Study", [err])
         return self
 
+    @model_validator(mode="after")
+    def _certified_out_of_domain(self) -> Study:
+        if self.certify and (shared := overlap(self.calibration.source, self.certify.haystack)):
+            msg = f"{shared} is calibration text too (calibration.source): certify on other text, e.g. haystack: "
+            msg += "prose (or pydoc, files or a folder the calibration does not use)"
+            err = InitErrorDetails(type=PydanticCustomError("in_domain", msg), loc=("certify", "haystack"), input=None)
+            raise ValidationError.from_exception_data("Study", [err])
+        return self
+
     @property
     def certify_lengths(self) -> list[int]:
         return list(self.certify.lengths) if self.certify else []
@@ -225,6 +241,25 @@ class Study(_Strict):
         """The certification limit: the certify section's max_drop, else the tuning constraint."""
         c = self.certify
         return self.constraints.max_ruler_drop if c is None or c.max_drop is None else c.max_drop
+
+
+def overlap(calibration: str | list[str], haystack: str | list[str]) -> str | None:
+    """The first haystack source that is calibration text too: the same name or dataset, the same file, or a
+    file or folder inside (or holding) a calibration folder; None when the two share nothing."""
+
+    def items(source: str | list[str]) -> list[str]:
+        return [source] if isinstance(source, str) else list(source)
+
+    def key(s: str) -> Path | str:
+        return s if s in NAMED_SOURCES or s.startswith("hf:") else Path(s).expanduser().resolve()
+
+    cal = [key(c) for c in items(calibration)]
+    for h in items(haystack):
+        k = key(h)
+        for c in cal:
+            if k == c or (isinstance(k, Path) and isinstance(c, Path) and (c in k.parents or k in c.parents)):
+                return h
+    return None
 
 
 def _where(err: dict) -> str:

@@ -5,6 +5,7 @@ model-index), the registry's own refusal, and one real small run on SmolLM2."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
@@ -18,6 +19,7 @@ from tests.test_registry import make_maps
 
 SPEC = Certify(tasks=["niah_single_1", "niah_multikey_1"], lengths=[2048], samples=10, haystack="pydoc", seed=3)
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
 
 
 def rows(scores: dict[str, list[float]], length: int = 2048, region: str = "bulk") -> list[dict]:
@@ -222,3 +224,68 @@ def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer
     assert 2 <= t["rounds"] <= 3 and t["lo"] <= t["speedup"] <= t["hi"] and t["predicted"] == 1.1
     assert t["bound"] > 1.0 and t["valid"] == (t["lo"] <= t["bound"])
     assert certify.ttft_line(t).startswith("certified TTFT ") and "transformers" in certify.ttft_line(t)
+
+
+# ---------------------------------------------------------------- the certificate's domain (issue 27)
+
+
+def _study(tmp_path, calibration, haystack):
+    """The shipped smollm2 study with another calibration source and certification haystack."""
+    import yaml
+
+    from ridgefill.study import load_study
+
+    data = yaml.safe_load((STUDIES / "smollm2-135m.yaml").read_text())
+    data["calibration"]["source"], data["certify"]["haystack"] = calibration, haystack
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return lambda: load_study(path)
+
+
+def test_a_study_certified_on_its_calibration_text_is_refused(tmp_path):
+    from ridgefill.study import StudyError, load_study
+
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    first, second = [essays / f"{c}.txt" for c in "ab"]
+    same = [
+        ("pydoc", "pydoc"),
+        (["pydoc", str(first)], ["prose", "pydoc"]),  # one shared source is enough
+        (str(essays), [str(second)]),  # a file inside a calibration folder
+        ([str(first)], str(essays)),  # a folder holding a calibration file
+        (str(first), str(tmp_path / "essays" / ".." / "essays" / "a.txt")),  # the same file, spelled otherwise
+    ]
+    for calibration, haystack in same:
+        with pytest.raises(StudyError) as e:
+            _study(tmp_path, calibration, haystack)()
+        msg = str(e.value)
+        assert "s.yaml: certify.haystack:" in msg and "is calibration text too" in msg and "haystack: prose" in msg
+        assert "\n" not in msg
+    for calibration, haystack in [("pydoc", "prose"), ([str(first)], [str(second)]), ("hf:wikitext:train", "pydoc")]:
+        assert _study(tmp_path, calibration, haystack)().certify.haystack == haystack
+    shipped = load_study(STUDIES / "smollm2-135m.yaml")  # the CPU default certifies out of domain
+    assert (shipped.calibration.source, shipped.certify.haystack) == ("pydoc", "prose")
+    for name in ("qwen3-8b", "llama-3.1-8b"):
+        assert load_study(STUDIES / f"{name}.yaml").name == name
+    assert Certify(tasks=["vt"], lengths=[2048]).haystack == "prose"  # the default is not the calibration's
+
+
+def test_card_names_calibration_and_certification_text(tiny_models, tokenizer, tmp_path):
+    from registry.card import make_card
+    from ridgefill.maps import read_manifest
+
+    manifest = read_manifest(make_maps(tiny_models["llama"], tokenizer, tmp_path / "maps"))
+    fitted = manifest | {"fit": {"source": ["pydoc"], "tokens": 32768, "window": 512}}
+    cert = cert_of(GOOD) | {"haystack": "prose (the installed packages' README prose), words sha256 0123456789ab"}
+    card = ModelCard(str(make_card(fitted, {"certified": cert}, "org/maps")))
+    meta = card.data.to_dict()["ridgefill"]
+    assert meta["calibration"] == {"sources": ["pydoc"], "tokens": 32768, "window": 512}
+    assert meta["certify_haystack"].startswith("prose (")
+    assert "Calibration text (the ridge fit): pydoc; 32,768 tokens in windows of 512." in card.text
+    assert (
+        "Certification haystack: prose (the installed packages' README prose), words sha256 0123456789ab; " in card.text
+    )
+    assert f"n = 20 pairs, mean paired delta +5.0 [{cert['ci_lo']:+.1f}, {cert['ci_hi']:+.1f}] (95% CI)" in card.text
+    bare = ModelCard(str(make_card(manifest, {}, "org/maps")))  # a manifest without provenance says so
+    assert bare.data.to_dict()["ridgefill"]["calibration"] is None
+    assert "Calibration text: not recorded" in bare.text and "Certification haystack: none (not certified)" in bare.text

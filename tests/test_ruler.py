@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import random
@@ -11,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ridgefill import corpus
+from ridgefill.corpus import load_corpus
 from ridgefill.evals import ruler
 from ridgefill.evals.ruler_common import DEPTHS, split_sentences
 from ridgefill.evals.ruler_other import zeta
-
-ESSAYS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "essays"
 
 # Copied verbatim from NVIDIA/RULER scripts/data/synthetic/constants.py (commit c3f5e3b).
 RULER_TASKS = {
@@ -64,10 +65,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def hay() -> ruler.Haystack:
-    if not ESSAYS.is_dir():  # no shared test data: the embedded pydoc prose
-        return ruler.load_haystack("pydoc")
-    # shared/data/README.md: the later half by file name is evaluation text (the first half calibrates).
-    return ruler.load_haystack(sorted(ESSAYS.glob("*.txt"))[20:])
+    """Natural text every install has, not pydoc (the installed packages' README prose): no ../shared."""
+    return ruler.load_haystack("prose")
 
 
 @pytest.fixture(scope="module")
@@ -296,19 +295,70 @@ def test_region_of_samples(made):
     assert ruler.region_of(s.needle_spans, n, sink=0, tail=n - a) == "tail"
 
 
-def test_load_haystack_sources(hay, monkeypatch):
+def test_load_haystack_sources(hay, tmp_path, monkeypatch):
     import datasets
 
-    files = sorted(ESSAYS.glob("*.txt"))[20:]
-    assert ruler.load_haystack(files).words == hay.words
-    whole = ruler.load_haystack(ESSAYS)
-    assert len(whole.words) > len(hay.words)
+    folder = tmp_path / "hay"
+    folder.mkdir()
+    (folder / "b.txt").write_text("gamma delta.\n")
+    (folder / "a.txt").write_text("alpha  beta.")
+    (folder / "notes.md").write_text("not read")
+    assert ruler.load_haystack(folder).words == ("alpha", "beta.", "gamma", "delta.")  # sorted by name
+    given = ruler.load_haystack([folder / "b.txt", folder / "a.txt"])  # a list keeps its order
+    assert given.words == ("gamma", "delta.", "alpha", "beta.") and given.source == "2 files"
     rows = datasets.Dataset.from_dict({"body": ["alpha beta.", "gamma  delta."]})
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: rows)
     loaded = ruler.load_haystack(ruler.DatasetSource("x", column="body"))
     assert loaded.words == ("alpha", "beta.", "gamma", "delta.")
-    embedded = ruler.load_haystack("pydoc")  # no files needed
-    assert embedded.source == "pydoc" and len(embedded.words) > 10_000
+    for name in ("pydoc", "prose"):  # no files needed
+        embedded = ruler.load_haystack(name)
+        assert embedded.source == name and len(embedded.words) > 10_000
+    assert hay.words == tuple("\n".join(load_corpus("prose").documents).split())
+    assert set(hay.words[:5000]) - set(ruler.load_haystack("pydoc").words)  # another text than pydoc
+
+
+def _dist(root: Path, name: str, body: str, kind: str = "text/markdown") -> None:
+    """An installed distribution's metadata, as pip writes it (METADATA with the README as its payload)."""
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\nDescription-Content-Type: {kind}\n\n{body}"
+    )
+
+
+def test_prose_keeps_sentences_of_readmes(tmp_path, monkeypatch):
+    sentence = "The river runs past the old mill and the children watch the boats go by in the evening light."
+    readme = "\n\n".join(
+        [
+            "# A heading with enough words to pass the paragraph length test if it were a paragraph.",
+            f"{sentence} See [the guide](https://example.org/guide) for more about the mill and its long history.",
+            "```python\nprint('a code block with many words in it that are not prose at all, no.')\n```",
+            "- a list item that is long enough to count as a paragraph if lists were kept as prose.",
+            "Too short.",
+            "A paragraph of fifteen words or more that does not end a sentence so it is dropped here",
+            f"Visit https://example.org/x and www.example.com today. {sentence}",
+        ]
+    )
+    assert corpus.prose_paragraphs(readme) == [
+        f"{sentence} See the guide for more about the mill and its long history.",
+        f"Visit and today. {sentence}",
+    ]
+    for name, kind in (("zeta", "text/markdown"), ("alpha", "text/markdown"), ("rst-only", "text/x-rst")):
+        _dist(tmp_path, name, "\n\n".join([f"{name} {sentence}"] * 12), kind)
+    _dist(tmp_path, "ridgefill", "\n\n".join([sentence] * 12))  # this checkout's own README: left out
+    found = list(importlib.metadata.distributions(path=[str(tmp_path)]))
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: found)
+    monkeypatch.setattr(corpus, "PROSE_MIN_WORDS", 100)
+    corpus._prose.cache_clear()
+    try:
+        docs = corpus.load_corpus("prose").documents
+        assert [d.split()[0] for d in docs] == ["alpha", "zeta"]  # name order, markdown only
+        monkeypatch.setattr(corpus, "PROSE_MIN_WORDS", 10_000)
+        corpus._prose.cache_clear()
+        with pytest.raises(ValueError, match="fewer than 10000: use pydoc, text files or a dataset"):
+            corpus.load_corpus("prose")
+    finally:
+        corpus._prose.cache_clear()
 
 
 def squad_file(path: Path) -> Path:

@@ -154,12 +154,13 @@ def load_haystack(source: PathLike | Sequence[PathLike] | DatasetSource) -> Hays
     """Read essay-style haystack text from a folder of .txt files, a file, a list of files, or a dataset.
 
     Files are concatenated in sorted (folder) or given order, like RULER's PaulGrahamEssays.json.
-    `"pydoc"` is the embedded text (Python's own documentation), for use with no files at all.
+    `"pydoc"` (Python's own documentation) and `"prose"` (the installed packages' README prose) are named
+    sources every install has (`ridgefill.corpus.NAMED`), for use with no files at all.
     """
-    if source == "pydoc":
-        from ridgefill.corpus import load_corpus
+    from ridgefill.corpus import NAMED, load_corpus
 
-        return _haystack("\n".join(load_corpus("pydoc").documents), "pydoc")
+    if isinstance(source, str) and source in NAMED:
+        return _haystack("\n".join(load_corpus(source).documents), source)
     if isinstance(source, DatasetSource):
         rows = load_rows(source)
         return _haystack("\n".join(rows[source.column]), f"{source.name}:{source.split}")
