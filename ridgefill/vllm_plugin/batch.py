@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ridgefill import settings
 from ridgefill.rows import RowPolicy, protected_mask
 
 
@@ -99,8 +100,11 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 class RowClassifier:
     """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
 
-    def __init__(self, policy: RowPolicy, scores: Tensor | None) -> None:
+    def __init__(self, policy: RowPolicy, scores: Tensor | None, max_kept: int | None = None) -> None:
         self.policy, self.scores = policy, scores
+        self.max_kept = settings.max_kept() if max_kept is None else max_kept  # chunked prompts keeping material
+        self.capped: set[tuple[str, int]] = set()  # question prompts run exact because max_kept were under way
+        self.capped_prompts = 0  # such prompts, counted once each as their first chunk is classified
         self.question = policy.by_question  # the share is picked in the forward, from the question's attention
         self.kept: dict[tuple[str, int], Kept] = {}  # question prompts under way over several steps
         self.exact: set[tuple[str, int]] = set()  # question prompts that run exact (see classify)
@@ -191,6 +195,7 @@ class RowClassifier:
         for stale in [k for k in self.kept if k not in live and (k[0] in ids or k[0] not in held)]:
             del self.kept[stale]  # a request that ended (or was aborted) mid-prompt, or a prompt that grew
         self.exact &= live
+        self.capped &= live
 
     def release(self, req_id: str) -> None:
         """Drop all that is kept for a request the runner let go (finished or aborted) at once: the next step
@@ -204,8 +209,13 @@ class RowClassifier:
         """The protected rows of a question prompt's tokens in this step, before the forward's choice."""
         if q.start == 0:  # a new prompt, or one recomputed from its start (preemption): start afresh
             self.exact.discard(q.key)
+            self.capped.discard(q.key)
             self.kept.pop(q.key, None)
-            if not q.last:
+            if not q.last and len(self.kept) >= self.max_kept:  # over the cap: exact, nothing kept
+                self.exact.add(q.key)
+                self.capped.add(q.key)
+                self.capped_prompts += 1
+            elif not q.last:
                 self.kept[q.key] = Kept()
         elif q.key not in self.kept and q.key not in self.exact:
             self.exact.add(q.key)
@@ -233,6 +243,8 @@ class RowClassifier:
             why = "and the classifier protected them all"
             if self.policy.share >= 1:
                 why = "with share 1 (every row protected)"
+            elif (req_id, plen) in self.capped:
+                why = f"exactly: a chunked question prompt past the kept-material cap ({self.max_kept} under way)"
             elif (req_id, plen) in self.exact:
                 why = "exactly: a question prompt first scheduled past its start, without its earlier chunks' rows"
             edges = f"sink {self.policy.sink} and tail {self.policy.tail}"

@@ -6,9 +6,13 @@ sides of an engine agree on whether RidgeFill serves and with which options, whi
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 from ridgefill import settings
+from ridgefill.fingerprint import compare, fingerprint_from
+from ridgefill.maps import MapError, read_manifest, verify_files
 from ridgefill.rows import ROWS, RowPolicy
 
 ARCHS = {
@@ -18,6 +22,7 @@ ARCHS = {
 }
 PREFIX = "ridgefill_"  # how hf_overrides spell the row policy's settings
 V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's own variable: read here only to name it in a refusal
+FLASH_ATTN = "FLASH_ATTN"  # vLLM's AttentionBackendEnum name of the one CUDA backend RidgeFill serves
 
 
 def maps_path(cfg) -> str | None:
@@ -38,10 +43,43 @@ def requested(model_config) -> bool:
     return bool(settings.get("RIDGEFILL_MAPS")) and any(a in ARCHS for a in archs)
 
 
-def unsupported(vllm_config) -> str | None:
-    """Why this engine cannot serve maps (then it serves stock), or None."""
+def on_cuda() -> bool:
+    """vLLM's platform is CUDA (or ROCm): FlashAttention, CUDA graphs (vLLM is imported only here)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
+
+
+def backend_names(attention) -> list[str]:
+    """The attention backends an operator chose (`--attention-backend`, per-kind overrides), by enum name."""
+    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    return [getattr(b, "name", str(b)) for b in chosen if b is not None]
+
+
+def device_refusal(vllm_config, cuda: bool) -> str | None:
+    """On CUDA: an attention backend other than FlashAttention (the only CUDA backend `backend.py` writes), or a
+    float32 model (FlashAttention serves none); None elsewhere or when the engine fits."""
+    if not cuda:
+        return None
+    other = [b for b in backend_names(getattr(vllm_config, "attention_config", None)) if b != FLASH_ATTN]
+    if other:
+        return (
+            f"attention backend {other[0]} is not supported on CUDA (RidgeFill writes FlashAttention's paged "
+            f"cache); pass --attention-backend {FLASH_ATTN} or leave it unset"
+        )
+    dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    if str(dtype).endswith("float32"):
+        return "float32 is not supported on CUDA (FlashAttention serves fp16/bf16 only); serve with --dtype bfloat16"
+    return None
+
+
+def unsupported(vllm_config, cuda: bool | None = None) -> str | None:
+    """Why this engine cannot serve maps (then it serves stock), or None. `cuda`: the platform (default: vLLM's)."""
     mc, par, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     cfg = mc.hf_config
+    why = device_refusal(vllm_config, on_cuda() if cuda is None else cuda)
+    if why:
+        return why
     if getattr(vllm_config, "use_v2_model_runner", False):
         return (
             f"Model Runner V2 is selected ({V2_VARIABLE}={os.environ.get(V2_VARIABLE, '<unset>')}, or a feature "
@@ -71,6 +109,49 @@ def unsupported(vllm_config) -> str | None:
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention is not supported"
     return None
+
+
+def folder_refusal(model_config) -> str | None:
+    """Why the model would refuse its map folder, known from the config before any weights load: no folder,
+    a manifest or file that fails its check (sha256, unlisted files), maps of another geometry or tokenizer,
+    or invalid options. The model checks the same again in its worker (and the weight anchors there)."""
+    cfg = model_config.hf_config
+    path = maps_path(cfg)
+    if not path:
+        return "no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS)"
+    try:
+        manifest = _verified_manifest(str(Path(path).resolve()), _stamp(Path(path)))
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
+        errors, _ = compare(manifest["model"], fingerprint_from(cfg, tok, {}, int(manifest["split"])))
+        if errors:
+            raise MapError("maps do not match this model: " + "; ".join(errors))
+        serve_options(cfg, manifest)
+    except (MapError, OSError, ValueError) as e:
+        return f"refusing map folder {path}: {e}"
+    return None
+
+
+def _stamp(folder: Path) -> tuple:
+    """What a folder's verdict depends on besides its path: its files' names, sizes and times."""
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()))
+
+
+@functools.lru_cache(maxsize=4)
+def _verified_manifest(path: str, stamp: tuple) -> dict:
+    """A folder's manifest once its files are verified; hashed once per folder state in a process."""
+    manifest = read_manifest(Path(path))
+    verify_files(Path(path), manifest)
+    return manifest
+
+
+def refusal(vllm_config, cuda: bool) -> str | None:
+    """Every refusal knowable from an engine's config (features, device, folder), decided before the graph
+    policy touches the config; None when RidgeFill can serve this engine."""
+    return unsupported(vllm_config, cuda) or folder_refusal(vllm_config.model_config)
 
 
 def serve_options(cfg, manifest: dict) -> tuple[RowPolicy, str]:

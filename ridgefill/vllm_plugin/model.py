@@ -54,13 +54,15 @@ class Counters:
     mixed_steps: int = 0  # of those steps, the ones that also held a decoding request
     question_one_step: int = 0  # prompts whose share the question chose, scheduled whole in one step
     question_chunked: int = 0  # prompts whose share the question chose over several steps (chunked prefill)
-    question_exact: int = 0  # question prompts run exact (first scheduled past their start: see batch.py)
+    question_exact: int = 0  # question prompts run exact (first scheduled past their start, or capped: batch.py)
     question_late_rows: int = 0  # rows of earlier chunks the question chose, run through the late layers later
     kept_prompts: int = 0  # a gauge, not a count: question prompts whose material (`batch.Kept`) is held now
+    question_capped: int = 0  # chunked question prompts run exact: RIDGEFILL_MAX_KEPT prompts were keeping material
 
     def as_dict(self) -> dict[str, int]:
         names = ("bulk_steps", "bulk_rows", "protected_rows", "mixed_steps")
         names += ("question_one_step", "question_chunked", "question_exact", "question_late_rows", "kept_prompts")
+        names += ("question_capped",)
         return {n: getattr(self, n) for n in names}
 
     def line(self) -> str:
@@ -119,6 +121,7 @@ class ServeState:
     def after_step(self) -> None:
         """Warn once if a long prompt ran with zero bulk rows."""
         self.counters.question_exact = self.classifier.exact_prompts
+        self.counters.question_capped = self.classifier.capped_prompts
         self.counters.kept_prompts = len(self.classifier.kept)
         why = self.classifier.inert
         if why and not self.warned_inert:

@@ -7,11 +7,18 @@ vLLM versions the plugin is tested with; anything else is refused by name and th
 - `VllmConfig.use_v2_model_runner`: pin the V1 model runner, which RidgeFill hooks, when RidgeFill is
   switched on and the operator has not chosen a runner (VLLM_USE_V2_MODEL_RUNNER); an explicit V2 choice
   is respected, and the model then refuses its maps (`config.unsupported`).
-- `VllmConfig.__post_init__`: on CUDA, an engine serving RidgeFill runs eager (no CUDA graphs, no
-  torch.compile), said in the log: a captured graph replays one fixed kernel sequence, and RidgeFill's
-  steps change shape with the row classes.
+- `VllmConfig.__post_init__` (before vLLM's own runs): on CUDA, with RidgeFill asked for, first every
+  refusal knowable from the config (`config.refusal`: features, attention backend, dtype, the named map
+  folder and its fingerprint); a refused engine is left exactly as asked, graphs included. Otherwise the
+  attention backend is pinned to FLASH_ATTN when none is chosen, and, unless the operator chose
+  --enforce-eager or a compilation setting, compile mode NONE with cudagraph_mode FULL_DECODE_ONLY:
+  decode-only steps replay CUDA graphs, mixed and prefill steps run eager (`graph_policy`, logged once).
 - `GPUModelRunner._model_forward` (V1; the CPU runner inherits it): classify each step's rows from the
-  runner's host-side batch before the model runs (`batch.step_rows`).
+  runner's host-side batch before the model runs (`batch.step_rows`). A decode-only step classifies to None
+  and runs stock through vLLM's graph wrapper (a replay); a step with bulk or question rows calls the model
+  past the wrapper (`eager_forward`), so no RidgeFill step ever replays a graph. Graph capture, warm-up and
+  the memory-profiling run call `runner.model(...)` from `_dummy_run`, never `_model_forward`, so the model
+  then sees no rows and runs stock: the captured graphs hold only the stock forward.
 - `GPUModelRunner._on_request_state_removed`: a finished or aborted request's kept material is freed when
   the runner lets it go (`ServeState.release`), even when no model step follows.
 - `EngineCore.__init__`, `EngineCore.preprocess_add_request`, `KVCacheManager.get_computed_blocks`,
@@ -28,7 +35,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ridgefill import settings
-from ridgefill.vllm_plugin.config import V2_VARIABLE, requested
+from ridgefill.vllm_plugin.config import FLASH_ATTN, V2_VARIABLE, backend_names, on_cuda, refusal, requested
 
 SUPPORTED_VLLM = SpecifierSet(">=0.32,<0.33")
 # what the runner hook reads from a V1 model runner and its input batch
@@ -91,7 +98,7 @@ def apply_all() -> None:
         return
     try:
         pin_v1_runner()
-        eager_on_cuda()
+        graphs_for_decode()
         hook_runner()
         prefix_cache_rule()
     except PatchError as e:
@@ -140,32 +147,96 @@ def pin_v1_runner() -> None:
 # --- CUDA graphs -------------------------------------------------------------------------------
 
 
-def graphs_off_reason(model_config, cuda: bool) -> str | None:
-    """Why this engine must run eager (the graph policy), or None: RidgeFill on, on CUDA, not yet eager,
-    and not refused for an explicit V2 choice."""
-    from vllm import envs
+@dataclass(frozen=True)
+class GraphPolicy:
+    """What the engine-config patch does for one engine (decided before vLLM derives anything from it).
 
-    if not cuda or model_config is None or getattr(model_config, "enforce_eager", True):
+    action: "stock" (RidgeFill not asked for, or not on CUDA: nothing touched), "refused" (a refusal known
+    from the config: nothing touched, the engine keeps vLLM's graphs and the model serves stock), "operator"
+    (an explicit --enforce-eager or compilation choice, kept), "decode_graphs" (compile mode NONE,
+    cudagraph_mode FULL_DECODE_ONLY), "eager" (this vLLM lacks those names: enforce_eager, the old policy).
+    """
+
+    action: str
+    why: str = ""
+    pin_backend: bool = False  # no attention backend chosen: pin FlashAttention
+
+
+def _decode_graph_names():
+    """(CompilationMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY), or None where this vLLM lacks either."""
+    try:
+        from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+        return CompilationMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY
+    except (ImportError, AttributeError):
         return None
-    if not requested(model_config) or envs.VLLM_USE_V2_MODEL_RUNNER:
-        return None
-    return (
-        "CUDA graphs and torch.compile are switched off (enforce_eager): steps with bulk rows change "
-        "kernel shapes with the row classes, which a captured graph cannot replay"
-    )
 
 
-def eager_on_cuda() -> None:
+def graph_policy(vllm_config, cuda: bool) -> GraphPolicy:
+    """The graph policy of an engine whose model_config and compilation_config the operator has set and vLLM's
+    own __post_init__ has not yet read: every config-knowable refusal first (`config.refusal`), then the
+    operator's explicit choice, then decode graphs (steps with bulk rows run eager; see `hook_runner`)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if not cuda or mc is None or not requested(mc):
+        return GraphPolicy("stock")
+    why = refusal(vllm_config, cuda)
+    if why:
+        return GraphPolicy("refused", why)
+    pin = not backend_names(getattr(vllm_config, "attention_config", None))
+    cc = vllm_config.compilation_config
+    if mc.enforce_eager:
+        return GraphPolicy("operator", "--enforce-eager is set: no CUDA graphs, no torch.compile", pin)
+    if cc.mode is not None or cc.cudagraph_mode is not None:
+        return GraphPolicy("operator", f"compilation mode {cc.mode}, cudagraph_mode {cc.cudagraph_mode}", pin)
+    if _decode_graph_names() is None:
+        why = "this vLLM has no CompilationMode.NONE or CUDAGraphMode.FULL_DECODE_ONLY: running eager instead"
+        return GraphPolicy("eager", why, pin)
+    return GraphPolicy("decode_graphs", "", pin)
+
+
+def apply_graph_policy(vllm_config, policy: GraphPolicy) -> None:
+    """Set what the policy decided on the config, and say so once."""
+    log = _log()
+    if policy.action == "refused":
+        log.warning_once(f"RidgeFill: {policy.why}; serving stock (vLLM's CUDA graphs and compile settings untouched)")
+        return
+    if policy.pin_backend:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        vllm_config.attention_config.backend = AttentionBackendEnum[FLASH_ATTN]
+        log.info_once(f"RidgeFill: attention backend pinned to {FLASH_ATTN} (the CUDA backend RidgeFill writes)")
+    if policy.action == "operator":
+        log.info_once(f"RidgeFill: graph policy left to the operator ({policy.why})")
+    elif policy.action == "eager":
+        log.warning_once(f"RidgeFill: {policy.why} (enforce_eager)")
+        vllm_config.model_config.enforce_eager = True
+    elif policy.action == "decode_graphs":
+        mode, graphs = _decode_graph_names()
+        vllm_config.compilation_config.mode, vllm_config.compilation_config.cudagraph_mode = mode, graphs
+        log.info_once(
+            "RidgeFill: graph policy: compilation mode NONE, cudagraph_mode FULL_DECODE_ONLY (decode-only steps "
+            "replay CUDA graphs; steps with bulk rows run eager)"
+        )
+
+
+def check_graph_policy(vllm_config, policy: GraphPolicy) -> None:
+    """After vLLM's own __post_init__: say so when vLLM changed the decode graphs the policy asked for."""
+    if policy.action != "decode_graphs":
+        return
+    got = vllm_config.compilation_config.cudagraph_mode
+    if got != _decode_graph_names()[1]:
+        _log().warning_once(f"RidgeFill: vLLM set cudagraph_mode {got} over FULL_DECODE_ONLY; decode runs with it")
+
+
+def graphs_for_decode() -> None:
     from vllm.config import VllmConfig
-    from vllm.platforms import current_platform
 
     def make(original):
         def __post_init__(self):
-            why = graphs_off_reason(getattr(self, "model_config", None), current_platform.is_cuda_alike())
-            if why:
-                _log().warning("RidgeFill: %s", why)
-                self.model_config.enforce_eager = True
+            policy = graph_policy(self, on_cuda())
+            apply_graph_policy(self, policy)
             original(self)
+            check_graph_policy(self, policy)
 
         return __post_init__
 
@@ -184,6 +255,19 @@ def runner_surface_missing(runner) -> list[str]:
     if qsl is not None and not hasattr(qsl, "np"):
         missing.append("query_start_loc.np")
     return missing
+
+
+def eager_forward(model, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+    """Call the model itself, past vLLM's CUDA-graph wrapper: a step with bulk rows or question rows never
+    replays a graph (a step of one-token prefill chunks looks like a uniform decode to vLLM's dispatcher, and
+    a replayed graph would run the stock kernels without the RidgeFill forward)."""
+    return model(
+        input_ids=input_ids,
+        positions=positions,
+        intermediate_tensors=intermediate_tensors,
+        inputs_embeds=inputs_embeds,
+        **kwargs,
+    )
 
 
 def hook_runner() -> None:
@@ -205,8 +289,10 @@ def hook_runner() -> None:
                 _log().error("RidgeFill: %s; RidgeFill is off, serving stock", PATCHES.runner_refused)
                 state.refuse(PATCHES.runner_refused)
                 return original(self, input_ids, positions, *args, **kwargs)
-            state.rows = step_rows(self, state.classifier)
+            state.rows = rows = step_rows(self, state.classifier)
             try:
+                if rows is not None and (rows.any_bulk or rows.questions) and self.model is not self.get_model():
+                    return eager_forward(self.get_model(), input_ids, positions, *args, **kwargs)
                 return original(self, input_ids, positions, *args, **kwargs)
             finally:
                 state.rows = None
