@@ -13,7 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ridgefill.steps import build_map_pair, load_model, run_capture
+from ridgefill.steps import CalibrationText, build_map_pair, fit_report, load_model, run_capture
 
 
 def calibration_files(folder: Path) -> list[str]:
@@ -32,10 +32,14 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=None)
     args = ap.parse_args()
     model, tok = load_model(args.model)
-    cap = run_capture(model, tok, calibration_files(args.calib), args.splits, max_windows=1000, root=args.root)
+    cap = run_capture(
+        model, tok, CalibrationText(calibration_files(args.calib), max_windows=1000), args.splits, args.root
+    )
     print(f"capture {cap.path}: {cap.meta['windows_done']} windows x {cap.meta['window']} tokens\n")
     for s in args.splits:
-        path, _ = build_map_pair(model, tok, cap, s, args.lam, args.out / f"S{s}-ridge", args.out / f"S{s}-identity")
+        path, _ = build_map_pair(
+            fit_report(model, tok, cap, s, args.lam), args.out / f"S{s}-ridge", args.out / f"S{s}-identity"
+        )
         fit = json.loads((path / "ridgefill.json").read_text())["fit"]
         held = fit["heldout"]
         print(f"### S = {s} (lambda {args.lam:g}, {fit['rows']} rows)\n")

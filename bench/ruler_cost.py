@@ -15,7 +15,7 @@ import time
 import torch
 
 from ridgefill.evals.ruler import load_haystack
-from ridgefill.evals.ruler_run import run_ruler
+from ridgefill.evals.ruler_run import Cells, run_ruler
 from ridgefill.runtime import FillPlan
 from ridgefill.steps import load_model
 
@@ -26,7 +26,7 @@ def main(tasks: list[str], length: int, n: int, threads: int = 2) -> None:
     hay = load_haystack("pydoc")
     for task in tasks:
         t0, c0 = time.time(), time.process_time()
-        out = run_ruler(lm, tok, {"exact": FillPlan()}, [task], [length], hay, n, 0, False)
+        out = run_ruler(lm, tok, {"exact": FillPlan()}, Cells([task], [length], hay, n, 0), False)
         wall, cpu = time.time() - t0, time.process_time() - c0
         new = [len(tok(r["prediction"])["input_ids"]) for r in out["samples"]]
         scores = [r["score"] for r in out["samples"]]

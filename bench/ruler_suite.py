@@ -243,7 +243,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
     their config, so they pair only with vLLM's own exact rows; `protected` is the policy's row count."""
     from types import SimpleNamespace
 
-    from ridgefill.objectives import run_vllm_job, vllm_job
+    from ridgefill.objectives import VllmJob, run_vllm_job
     from ridgefill.study import Ruler
 
     files = [str(f) for f in haystack_files(args.haystack)] if args.haystack else "pydoc"
@@ -260,8 +260,8 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
             ruler = Ruler(tasks=list(batches), lengths=[length], samples=cap, haystack=files, seed=args.seed)
             ttft = None if name == "exact" else SimpleNamespace(lengths=[length], repeats=args.ttft_repeats, warmup=1)
             t0 = time.perf_counter()
-            out = run_vllm_job(vllm_job(model, "float32", None if name == "exact" else plan, ruler, ttft,
-                                        first=args.start))  # fmt: skip
+            job = VllmJob.of(model, "float32", None if name == "exact" else plan).scoring(ruler, range(args.start, cap))
+            out = run_vllm_job(job if ttft is None else job.timing(ttft))
             seconds = time.perf_counter() - t0
             for r in [r for r in out["ruler"]["samples"] if r["plan"] == "p"]:
                 x = batches[r["task"]][r["index"]]

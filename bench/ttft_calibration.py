@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from ridgefill import objectives
+from ridgefill.capture import CaptureOptions
 from ridgefill.cost import Shape
-from ridgefill.steps import load_model, model_path, run_capture
+from ridgefill.steps import CalibrationText, load_model, model_path, run_capture
 from ridgefill.study import load_study
 from ridgefill.ttft_model import CalibrationError, Point, bound, checked, conditions, fit
 
@@ -60,8 +61,14 @@ def main() -> None:
         torch.set_num_threads(cfg.hardware.threads)
     lm, tok = load_model(model_path(cfg.model.local or cfg.model.repo))
     cal = cfg.calibration
-    cap = run_capture(lm, tok, cal.source, sorted(cfg.search.splits), window=cal.window, max_windows=cal.max_windows,
-                      heldout=cal.heldout, root=a.work, progress=False)  # fmt: skip
+    cap = run_capture(
+        lm,
+        tok,
+        CalibrationText(cal.source, window=cal.window, max_windows=cal.max_windows, heldout=cal.heldout),
+        sorted(cfg.search.splits),
+        a.work,
+        CaptureOptions(progress=False),
+    )
     t0 = time.perf_counter()
     points = objectives.calibration_points(cfg)
     maps = objectives.calibration_maps(lm, tok, str(cap.path), cfg, sorted(cfg.search.splits), a.work / "maps")

@@ -52,23 +52,14 @@ def publish(
     *,
     study: str | None = None,
     backend: Backend | None = None,
-    base_model: str | None = None,
-    base_revision: str | None = None,
-    license: str | None = None,
+    **card: str | None,
 ) -> Publication:
-    """Publish a verified map folder with a generated card; a study gets its own tag."""
+    """Publish a verified map folder with a generated card (`card`: its `base_model`, `base_revision` and
+    `license`, as `make_card` takes them); a study gets its own tag."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     backend = backend or default_backend()
-    card = make_card(
-        manifest,
-        results or {},
-        repo_id,
-        base_model=base_model,
-        base_revision=base_revision,
-        license=license,
-        study=study,
-    )
+    card = make_card(manifest, results or {}, repo_id, study=study, **card)
     tag = tag_for(study) if study else None
     message = f"RidgeFill {manifest['kind']} maps, S={manifest['split']}" + (f", study {study}" if study else "")
     pub = backend.publish(folder, repo_id, str(card), tag=tag, message=message)
@@ -177,25 +168,19 @@ def default_repo(backend: Backend, base_model: str | None) -> str:
 
 
 def publish_best(
-    db_path: Path | None = None,
-    study_name: str | None = None,
+    db: Path | str,
+    study: str,
     repo_id: str | None = None,
     backend: Backend | None = None,
     *,
-    db: Path | None = None,
-    study: str | None = None,
     map_path: str | None = None,
     **card: str | None,
 ) -> Publication:
-    """Publish the best map of a finished study under the study's tag and record it in `publications`.
-
-    `db`, `study` and `map_path` are the keyword names the tuning flow uses; `map_path` picks the study's
-    row of that map instead of its chosen one.
-    """
-    db_path, study_name = db_path or db, study_name or study
-    if db_path is None or not study_name:
+    """Publish the best map of a finished study (the results file `db`) under the study's tag and record it in
+    `publications`; `map_path` picks the study's row of that map instead of its chosen one."""
+    if not db or not study:
         raise RegistryError("publish_best needs the results file and the study name")
-    return _publish_rows(Path(db_path), [(study_name, map_path)], repo_id, backend, card)[0]
+    return _publish_rows(Path(db), [(study, map_path)], repo_id, backend, card)[0]
 
 
 def publish_studies(

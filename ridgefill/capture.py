@@ -247,25 +247,34 @@ def layer_inputs(model: nn.Module, input_ids: Tensor, wanted: set[int]) -> dict[
     return got
 
 
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How a capture runs: rows skipped at the start of each window (`sink_skip`) and the row `stride` (both
+    part of the capture's identity), seconds between checkpoints (0: after every window), where the statistics
+    live (`stats_on`: auto, device or cpu) and the progress bar."""
+
+    sink_skip: int = ROWS.sink
+    stride: int = 1
+    checkpoint_seconds: float = 300.0
+    stats_on: str = "auto"
+    progress: bool = True
+
+
 @torch.inference_mode()
 def capture(
     model: nn.Module,
     windows: Tensor,
     splits: list[int],
     out: Path,
-    *,
-    sink_skip: int = ROWS.sink,
-    stride: int = 1,
-    checkpoint_seconds: float = 300.0,
-    stats_on: str = "auto",
+    how: CaptureOptions = CaptureOptions(),
     meta: dict | None = None,
-    progress: bool = True,
 ) -> Capture:
     """Accumulate statistics for every split over `windows` [count, length], resuming from `out`.
 
     The statistics live on the model's device when it can hold them (`stats_device`). A checkpoint is
-    written when `checkpoint_seconds` have passed since the last one (0: after every window) and at the end.
+    written when `how.checkpoint_seconds` have passed since the last one (0: after every window) and at the end.
     """
+    sink_skip, stride, checkpoint_seconds = how.sink_skip, how.stride, how.checkpoint_seconds
     out = Path(out)
     num_layers = model.config.num_hidden_layers
     splits = sorted(set(splits))
@@ -281,7 +290,7 @@ def capture(
         "windows_total": int(windows.shape[0]),
     }
     device = next(model.parameters()).device
-    sdev, why = stats_device(device, stats_bytes(splits, num_layers, d), stats_on)
+    sdev, why = stats_device(device, stats_bytes(splits, num_layers, d), how.stats_on)
     log.info("capture statistics (float64) on %s", why)
     done = 0
     if (out / META).is_file():
@@ -304,7 +313,7 @@ def capture(
         range(done, windows.shape[0]),
         desc="capture",
         unit="win",
-        disable=not progress,
+        disable=not how.progress,
         initial=done,
         total=windows.shape[0],
     ):

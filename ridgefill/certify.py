@@ -15,9 +15,13 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+from ridgefill.engines import ENGINES
 from ridgefill.study import Certify, Study
+
+if TYPE_CHECKING:
+    from ridgefill.steps import ModelRef
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,14 +59,12 @@ def certificate(
     map_rows: Sequence[dict],
     exact_rows: Sequence[dict],
     haystack: str,
-    key: str = "",
-    seconds: float | None = None,
-    engine: str = "transformers",
 ) -> dict:
     """Judge one map on per-sample rows (task, length, index, region, score) of it and of exact.
 
     Returns the certificate: pass/fail, the rule, the overall paired delta with its CI and n, the per-task
-    deltas (CI, McNemar p), the filled-region breakdown, and the tasks, lengths, samples, haystack and seed.
+    deltas (CI, McNemar p), the filled-region breakdown, and the tasks, lengths, samples, haystack and seed; the
+    caller stamps its `engine`, `key` and `seconds`.
     """
     from ridgefill.evals.paired import bootstrap_mean_of_tasks, pair, paired_summary, region_breakdown
     from ridgefill.objectives import sample_rows
@@ -98,12 +100,12 @@ def certificate(
         "samples": spec.samples,
         "haystack": haystack,
         "seed": spec.seed,
-        "engine": engine,
+        "engine": "transformers",
         "per_task": per_task,
         "per_length": per_length,
         "regions": region_breakdown(rows, MAP, EXACT),
-        "key": key,
-        "seconds": seconds,
+        "key": "",
+        "seconds": None,
     }
 
 
@@ -140,22 +142,25 @@ def summary_line(cert: dict) -> str:
     )
 
 
-def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger | None = None) -> T | None:
-    """Record the certificate (pass or fail), then publish only a map that passed; returns what `publish` gave."""
+def passed(recorder, cert: dict, logger: logging.Logger | None = None) -> bool:
+    """Record the certificate (pass or fail) and log it: whether its map may be published."""
     logger = logger or log
     recorder.certification(cert, metric_rows(cert))
     if not cert["passed"]:
         logger.error("%s; not published", summary_line(cert))
-        return None
+        return False
     logger.info("%s", summary_line(cert))
     if cert.get("ttft"):
         logger.info("%s", ttft_line(cert["ttft"]))
-    return publish()
+    return True
 
 
-def certify_trial(
-    recorder, study: str, trial, model, tokenizer, inputs_sha: str, exact: dict, cfg: Study
-) -> dict:  # fmt: skip
+def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger | None = None) -> T | None:
+    """Record the certificate (pass or fail), then publish only a map that passed; returns what `publish` gave."""
+    return publish() if passed(recorder, cert, logger) else None
+
+
+def certify_trial(recorder, study: str, trial, m: ModelRef, inputs_sha: str, exact: dict, cfg: Study) -> dict:
     """A study's chosen trial on its `certify` benchmark, paired against `exact` (that benchmark's exact run):
     its certificate, for `gate` to record. One already recorded for the same map, settings, inputs and limit
     is reused, so a rerun does not pay for it again."""
@@ -163,9 +168,10 @@ def certify_trial(
 
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.maps import sha256_file
-    from ridgefill.objectives import certified_ttft, plan_for, ruler_result, run_ruler_plan, run_vllm_job, vllm_job
+    from ridgefill.objectives import VllmJob, certified_ttft, plan_for, ruler_result, run_ruler_plan, run_vllm_job
     from ridgefill.search import Params, params_of
 
+    model, tokenizer = m.load()
     spec, drop = cfg.certify, cfg.certify_drop
     mp = trial.user_attrs["map_path"]
     timing = json.dumps(cfg.objectives.ttft.model_dump(exclude={"per_trial"}), sort_keys=True)  # the certified TTFT
@@ -174,13 +180,14 @@ def certify_trial(
         return old
     t0 = time.time()
     plan = plan_for(Params.of(params_of(trial)), mp, model, tokenizer)
-    if cfg.engine == "vllm":  # as served: one engine, a batch per task x length
-        run = ruler_result(run_vllm_job(vllm_job(model, cfg.model.dtype, plan, spec.ruler()))["ruler"])
+    if ENGINES[cfg.engine].serving:  # as served: one engine, a batch per task x length
+        run = ruler_result(run_vllm_job(VllmJob.of(model, cfg.model.dtype, plan).scoring(spec.ruler()))["ruler"])
     else:
         run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = haystack_label(spec.haystack, words)
-    cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay, key, 0.0, cfg.engine)
+    cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay)
+    cert |= {"engine": cfg.engine, "key": key, "seconds": 0.0}
     params = Params.of(params_of(trial))
     ttft = certified_ttft(model, tokenizer, params, mp, cfg, trial.user_attrs.get("speedup_predicted"))
     cert["seconds"] = time.time() - t0

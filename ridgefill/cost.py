@@ -19,12 +19,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ridgefill.capture import stats_bytes
+from ridgefill.decision import decide
+from ridgefill.engines import ENGINES
 from ridgefill.evals.ruler import SPECS
 from ridgefill.flops import layer_flops, speedup_bound
 from ridgefill.study import Study
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PROMOTED_SHARE = 0.5  # an assumption, not a measurement: the share of trials near the front (promoted)
+PROMOTED_SHARE = 0.5  # an assumed outcome, not a measurement: the share of trials near the front (promoted)
 SHAPE_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -93,6 +95,56 @@ class Rates:
     disk: float = 1e9  # bytes/s for checkpoints and map files
     source: str = ""
 
+    def rate(self, engine: str) -> float:
+        """FLOP/s of a prefill on `engine`: a serving engine's, else the transformers runtime's."""
+        return self.prefill if ENGINES[engine].serving else self.prefill_hf
+
+    def start(self, engine: str) -> float:
+        """Seconds to start `engine` for one job (0: it runs in the flow's process)."""
+        return self.engine_start if ENGINES[engine].serving else 0.0
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """A gate whose outcomes are assumed, not measured: `decide` walked with it says what a trial scores and times
+    (the trial neither fails early nor at the end; `promoted` says whether it clears the bar)."""
+
+    samples: int
+    promote: int | None
+    promoted: bool
+    bar: dict | None = None
+
+    def cannot_pass(self, ruler: dict) -> bool:
+        return False
+
+    def fails(self, ruler: dict) -> bool:
+        return False
+
+    def promotes(self, ruler: dict, speedup: float) -> bool:
+        return self.promoted
+
+
+@dataclass(frozen=True)
+class Walk:
+    """What one walk of the trial decision ran: RULER samples per task in each `score` call, and TTFT timings."""
+
+    scored: tuple[int, ...]
+    timed: int
+
+
+def walk(samples: int, promote: int | None, promoted: bool, predicted: bool) -> Walk:
+    """The trial decision (`ridgefill.decision.decide`) walked with assumed outcomes instead of measurements."""
+    scored, timed = [], []
+
+    class Speed:
+        speedup = 1.0
+
+    bar = {"mean": 0.0, "speedup": 0.0} if promote else None
+    gate = Assumed(samples, promote, promoted, bar)
+    decide(lambda a, b: scored.append(b - a) or {}, lambda: timed.append(1) or Speed(), lambda a, b: a, gate,
+           1.0 if predicted else None)  # fmt: skip
+    return Walk(tuple(scored), len(timed))
+
 
 # Datasheet peaks (dense, no sparsity): H100 SXM bf16 989 TFLOP/s, fp64 tensor core 67 TFLOP/s, HBM3
 # 3.35 TB/s; H200: the same compute, HBM3e 4.8 TB/s; A100 SXM 312, 19.5, 2.04 TB/s. Assumed fractions:
@@ -157,8 +209,8 @@ def _ruler_s(
     exact). `spec`: another RULER spec (the certification's); default the study's objective."""
     ru = spec or study.objectives.ruler
     n = ru.samples if samples is None else samples
-    vllm = study.engine == "vllm"
-    rate = r.prefill if vllm else r.prefill_hf
+    vllm = ENGINES[study.engine].serving
+    rate = r.rate(study.engine)
     total, lines = 0.0, []
     for length in ru.lengths:
         pre = n * prefill_flops(shape, length) / speedup / rate
@@ -179,7 +231,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     e = Estimate(trials=study.budget.trials, parallel=study.budget.parallel)
     b = DTYPE_BYTES[study.model.dtype]
     L, d = shape.num_hidden_layers, shape.hidden_size
-    cal, s, ru = study.calibration, study.search, study.objectives.ruler
+    cal, s, ru, tt = study.calibration, study.search, study.objectives.ruler, study.objectives.ttft
     say = e.lines.append
     say(f"rates: {r.source}")
     say(
@@ -208,7 +260,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         f"in float64 on the host: {eig:.1f} s (once per split, cached for every lambda)"
     )
 
-    base_start = r.engine_start if study.engine == "vllm" else 0.0
+    base_start = r.start(study.engine)
     exact, lines = _ruler_s(study, shape, r, b, 1.0, ru.most)
     e.phases["exact baseline"] = base_start + exact
     say(f"exact baseline (RULER, once per study): {base_start + exact:.1f} s")
@@ -235,8 +287,9 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         f"share {s.share[1]}): {ruler:.1f} s"
     )
     e.lines += lines
-    if ru.promote:  # multi-fidelity: a promoted trial scores promote - samples more per task
-        more, lines = _ruler_s(study, shape, r, b, worst, ru.promote - ru.samples)
+    if ru.promote:  # multi-fidelity: the decision walked for a promoted trial (PROMOTED_SHARE of them)
+        extra = walk(ru.samples, ru.promote, True, not tt.per_trial).scored[1:]
+        more, lines = _ruler_s(study, shape, r, b, worst, sum(extra))
         e.trial["RULER promoted"] = PROMOTED_SHARE * more
         say(
             f"trial RULER, promoted (assumed: {PROMOTED_SHARE:.0%} of trials, those near the front; on the "
@@ -249,10 +302,9 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         f"trial dNLL: {nl.documents} documents x {nl.lengths} tokens x (exact + fill) on transformers: "
         f"{e.trial['dNLL']:.1f} s"
     )
-    tt = study.objectives.ttft
-    rate = r.prefill if study.engine == "vllm" else r.prefill_hf
-    if tt.per_trial:
-        e.trial["TTFT"] = sum(
+    rate = r.rate(study.engine)
+    if tt.per_trial:  # the decision walked: a trial that can join the front is timed once
+        e.trial["TTFT"] = walk(ru.samples, ru.promote, False, False).timed * sum(
             (tt.warmup + tt.repeats) * prefill_flops(shape, n) * (1 + 1 / speedup_bound(shape, n, max(s.splits),
                                                                                          s.sink + min(s.tails)))
             / rate for n in tt.lengths
@@ -278,7 +330,7 @@ def _timing_model(study: Study, shape: Shape, r: Rates, engine: str):
     """The TTFT model the estimate times with: `ttft_model.from_rate` at the engine's prefill rate."""
     from ridgefill.ttft_model import from_rate
 
-    rate = r.prefill if engine == "vllm" else r.prefill_hf
+    rate = r.rate(engine)
     return from_rate(shape, rate, engine, study.hardware.device, study.model.dtype)
 
 
@@ -296,7 +348,7 @@ def _calibration(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
 
     tt, points = study.objectives.ttft, calibration_points(study)
     model = _timing_model(study, shape, r, study.engine)
-    starts = len({p.split for p in points}) * r.engine_start if study.engine == "vllm" else 0.0
+    starts = len({p.split for p in points}) * r.start(study.engine)
     e.phases["TTFT calibration"] = starts + _rounds_s(model, points, tt.lengths, tt.warmup + tt.max_repeats)
     e.trial["TTFT"] = 0.0
     e.lines.append(
@@ -314,7 +366,7 @@ def _certified_ttft(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
     tt, engine = study.objectives.ttft, serving_engine(study)
     model = _timing_model(study, shape, r, engine)
     centre = calibration_points(study)[-1]
-    start = r.engine_start if engine == "vllm" else 0.0
+    start = r.start(engine)
     e.phases["certified TTFT"] = start + _rounds_s(model, [centre], tt.lengths, tt.warmup + tt.max_repeats)
     e.lines.append(
         f"certified TTFT ({engine}): exact + the chosen map ({centre.label()} as a stand-in) x up to "
@@ -429,7 +481,7 @@ def measure_rates(model, dtype: str, engine: str, seconds: float = 3.0, n: int =
     f64 = 2 * shape.hidden_size**2 * 512 / t_f64
     return Rates(
         "this machine", prefill=pre, prefill_hf=pre, f64=f64, host_f64=f64, bandwidth=read / t_step,
-        engine_start=60.0 if engine == "vllm" else 0.0, disk=1e9,
+        engine_start=60.0 if ENGINES[engine].serving else 0.0, disk=1e9,
         source=f"measured on this machine ({torch.get_num_threads()} threads): prefill of {n} tokens "
         f"{t_pre * 1e3:.0f} ms, decode step {t_step * 1e3:.1f} ms, float64 GEMM {t_f64 * 1e3:.1f} ms",
     )  # fmt: skip

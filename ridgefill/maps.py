@@ -94,6 +94,18 @@ class MapSet:
         return MapSet(self.manifest, moved, scores, self.path)
 
 
+@dataclass(frozen=True)
+class MapInfo:
+    """What a map folder's manifest says of its fit: the split, the kind (ridge or identity), lambda (None for
+    identity), the fit's provenance and the row-policy defaults (over `ROWS`' sink, tail and share)."""
+
+    split: int
+    kind: str = "ridge"
+    lam: float | None = None
+    fit: dict = field(default_factory=dict)
+    defaults: dict | None = None
+
+
 def write_maps(out: Path, *args, **kwargs) -> Path:
     """Write a map folder atomically (a sibling temp folder renamed into place); `write_map_set`'s arguments."""
     return write_map_set(out, *args, **kwargs).path
@@ -103,19 +115,15 @@ def write_map_set(
     out: Path,
     weights: dict[int, tuple[Tensor, Tensor]],
     fingerprint: dict,
-    split: int,
-    *,
-    kind: str,
-    lam: float | None,
-    fit: dict,
+    info: MapInfo,
     scores: Tensor | None = None,
     dtype: torch.dtype = torch.float32,
-    defaults: dict | None = None,
 ) -> MapSet:
     """Write a map folder atomically (a sibling temp folder renamed into place) and return it as a verified
     `MapSet`: the tensors just written (on the CPU, as `load_maps` gives them), the sealed manifest and the
     folder. Each file is hashed once, as it is written; the fingerprint is the writing model's own, so later
     steps pass this value along instead of re-verifying."""
+    kind, split, lam, fit, defaults = info.kind, info.split, info.lam, info.fit, info.defaults
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

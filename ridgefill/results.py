@@ -168,6 +168,21 @@ class TrialRecord:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StudyRun:
+    """One study run as `studies` records it: `name` is per weights (`spec`, the study file's name, plus the
+    weights hash), the model, its revision and fingerprint, the engine, the RULER limit and the whole config."""
+
+    name: str
+    model: str
+    revision: str
+    fingerprint: str
+    engine: str
+    max_drop: float
+    config: dict
+    spec: str | None = None
+
+
 class Recorder:
     """Writes a results file; thread-safe, one transaction (and one short-lived connection) per call."""
 
@@ -201,20 +216,11 @@ class Recorder:
                 con.execute("ROLLBACK")
                 raise
 
-    def study(
-        self,
-        name: str,
-        model: str,
-        revision: str,
-        fingerprint: str,
-        engine: str,
-        max_drop: float,
-        cfg: dict,
-        spec: str | None = None,
-    ) -> None:
-        """One study run; `name` is per weights (`spec` plus the weights hash), `spec` the study file's name."""
+    def study(self, run: StudyRun) -> None:
+        """One study run (its `studies` row)."""
         cols = ("study", "model", "revision", "fingerprint", "engine", "max_ruler_drop", "config", "spec")
-        row = (name, model, revision, fingerprint, engine, max_drop, json.dumps(cfg), spec or name)
+        r = run
+        row = (r.name, r.model, r.revision, r.fingerprint, r.engine, r.max_drop, json.dumps(r.config), r.spec or r.name)
         self._tx([("studies", cols, [row])], [])
 
     def trials(self, records: Sequence[TrialRecord]) -> None:

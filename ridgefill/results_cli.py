@@ -22,9 +22,9 @@ DEFAULT_SQL = {
 
 def _flow():
     """The tune flow, imported when a study is run (the CLI is the composition root: it may import the flows)."""
-    from flows.tune import tune
+    import flows.tune
 
-    return tune
+    return flows.tune
 
 
 def register(app: typer.Typer) -> None:
@@ -75,9 +75,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(cost.plan(load_study(find_study(plan), extra), gpu)[1])
             return
         preflight(find_study(study), extra)  # the whole study, before Prefect or any model starts
-        out = _flow()(
-            study, extra, str(db) if db else None, str(work) if work else None, storage, publish, evaluator, force
-        )  # fmt: skip
+        flow = _flow()
+        where = flow.Where(db=str(db) if db else None, work=str(work) if work else None, storage=storage)
+        out = flow.tune(study, extra, where, publish, evaluator, force)
         typer.echo("\n" + out.pop("table"))
         typer.echo(
             f"\nstudy {out['study']}: {out['trials_run']} trials run here, Pareto front {out['front']}, "

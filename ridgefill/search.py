@@ -28,31 +28,14 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from ridgefill.evals.paired import within
+from ridgefill.params import Params
 from ridgefill.results import Recorder, TrialRecord
-from ridgefill.rows import ROWS, RowPolicy
+from ridgefill.rows import ROWS
 from ridgefill.study import Search, Study
 
 log = logging.getLogger(__name__)
 DIRECTIONS = ("maximize", "maximize")  # RULER delta vs exact, TTFT speed-up
 FINISHED = (TrialState.COMPLETE, TrialState.FAIL)
-
-
-@dataclass(frozen=True)
-class Params:
-    """A trial's configuration: the split, the ridge lambda and its protected-row policy."""
-
-    split: int
-    lam: float
-    rows: RowPolicy = ROWS
-
-    def as_dict(self) -> dict:
-        """Flat, as Optuna's user attributes and DuckDB keep it: split, lam and the row policy's fields."""
-        return {"split": self.split, "lam": self.lam} | self.rows.as_dict()
-
-    @classmethod
-    def of(cls, d: dict) -> Params:
-        """The parameters `as_dict` (or an older trial's subset of the row fields) names."""
-        return cls(int(d["split"]), float(d["lam"]), RowPolicy.of({k: v for k, v in d.items() if v is not None}))
 
 
 @dataclass
@@ -77,15 +60,39 @@ Evaluate = Callable[[list[tuple[int, Params]]], list[Outcome | BaseException]]
 # --- storage and study -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Store:
+    """Where a study's Optuna trials live: a journal file under `root` by default, a `*.journal` path as given, or
+    an RDB URL (postgresql://, sqlite://) that several workers share."""
+
+    url: str | None
+    root: Path
+    name: str
+
+    @property
+    def shared(self) -> bool:
+        """An RDB URL: other workers may add trials, so this run settles and syncs them at its end."""
+        return bool(self.url and "://" in self.url)
+
+    @property
+    def journal(self) -> Path:
+        return Path(self.url) if self.url else Path(self.root) / "optuna" / f"{self.name}.journal"
+
+    def open(self) -> optuna.storages.BaseStorage:
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        if self.shared:
+            return _rdb(self.url)
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(self.journal)))
+
+    def __str__(self) -> str:
+        return "the shared RDB storage" if self.shared else str(self.journal)
+
+
 def storage(url: str | None, root: Path, name: str) -> optuna.storages.BaseStorage:
     """A journal file under `root` by default; `*.journal` paths or RDB URLs (postgresql://, sqlite://) as given."""
-    from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-    if url and "://" in url:
-        return _rdb(url)
-    path = Path(url) if url else Path(root) / "optuna" / f"{name}.journal"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path)))
+    return Store(url, root, name).open()
 
 
 def _rdb(url: str, tries: int = 5) -> optuna.storages.RDBStorage:

@@ -7,31 +7,24 @@ The CLI and the Prefect tasks call these; nothing here knows about either.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from ridgefill import corpus as corpus_mod
-from ridgefill.capture import Capture, capture, load_capture
+from ridgefill.capture import Capture, CaptureOptions, capture, load_capture
 from ridgefill.default_model import cache_root, default_model_dir
 from ridgefill.fingerprint import fingerprint, fingerprint_key
 from ridgefill.fit import RidgeSolver
 from ridgefill.heldout import HeldOutWindow, heldout_activations, score_maps
-from ridgefill.maps import MapSet, write_map_set
-from ridgefill.rows import ROWS
+from ridgefill.maps import MapInfo, MapSet, write_map_set
+from ridgefill.params import Params
 from ridgefill.scores import rarity
-
-if TYPE_CHECKING:
-    from ridgefill.search import Params
-    from ridgefill.study import Study
 
 log = logging.getLogger(__name__)
 DEFAULT = "default"
@@ -76,31 +69,44 @@ def capture_dir(root: Path, fp_key: str, corpus_sha: str, window: int) -> Path:
     return Path(root) / "captures" / f"{fp_key}-{corpus_sha[:16]}-w{window}"
 
 
+@dataclass(frozen=True)
+class CalibrationText:
+    """What a capture reads: its `source` cut into windows of `window` tokens, at most `max_windows` of them,
+    after holding out the last `heldout` (a study's `calibration` gives all four)."""
+
+    source: str | list[str]
+    window: int = 512
+    max_windows: int = 128
+    heldout: int = 4
+
+    @classmethod
+    def of(cls, calibration) -> CalibrationText:
+        """A study's `calibration` section (source, window, max_windows, heldout) taken whole."""
+        c = calibration
+        return cls(c.source, c.window, c.max_windows, c.heldout)
+
+
 def run_capture(
     model: nn.Module,
     tokenizer,
-    source: str | list[str],
+    text: CalibrationText,
     splits: list[int],
-    *,
-    window: int = 512,
-    max_windows: int = 128,
-    heldout: int = 4,
     root: Path | None = None,
-    checkpoint_seconds: float = 300.0,
-    sink_skip: int = ROWS.sink,
-    stride: int = 1,
-    progress: bool = True,
+    how: CaptureOptions | None = None,
 ) -> Capture:
     """Capture statistics for `splits`, reusing a finished capture and resuming a partial one."""
-    cal, _, corpus_sha = calibration_windows(tokenizer, source, window, max_windows, heldout)
+    how = how or CaptureOptions()
+    source, window, heldout = text.source, text.window, text.heldout
+    cal, _, corpus_sha = calibration_windows(tokenizer, source, window, text.max_windows, heldout)
     key = fingerprint_key(fingerprint(model, tokenizer, splits[0]))
-    out = capture_dir(root or cache_root(), key, corpus_sha, window) / f"n{cal.shape[0]}-s{sink_skip}-r{stride}"
+    tag = f"n{cal.shape[0]}-s{how.sink_skip}-r{how.stride}"
+    out = capture_dir(root or cache_root(), key, corpus_sha, window) / tag
     meta = {
         "corpus_sha256": corpus_sha,
         "source": source if isinstance(source, str) else [str(s) for s in source],
         "fingerprint_key": key,
         "heldout": heldout,
-        "max_windows": max_windows,
+        "max_windows": text.max_windows,
     }
     if (out / "capture.json").is_file():
         done = load_capture(out)
@@ -108,17 +114,7 @@ def run_capture(
             return done
         if set(splits) != set(done.meta["splits"]):
             out = out.with_name(out.name + "-S" + "_".join(map(str, sorted(splits))))
-    return capture(
-        model,
-        cal,
-        splits,
-        out,
-        sink_skip=sink_skip,
-        stride=stride,
-        checkpoint_seconds=checkpoint_seconds,
-        meta=meta,
-        progress=progress,
-    )
+    return capture(model, cal, splits, out, how, meta)
 
 
 @dataclass(frozen=True)
@@ -141,20 +137,35 @@ def held_out(model: nn.Module, tokenizer, cap: Capture, split: int, heldout_wind
     return HeldOut(corpus_sha, int(held.shape[0]), heldout_activations(model, held, split))
 
 
+@dataclass(frozen=True)
+class Fit:
+    """One split fitted at one lambda: float32 maps and their provenance (held-out metrics), with what writing a
+    folder needs (the model's fingerprint, the capture's token counts); a ridge and an identity folder share it."""
+
+    model: nn.Module
+    tokenizer: object
+    cap: Capture
+    split: int
+    lam: float
+    maps: dict[int, tuple[Tensor, Tensor]]
+    provenance: dict
+    defaults: dict | None = None  # the folder's row-policy defaults (None: `ROWS`')
+
+
 def fit_report(
     model: nn.Module,
     tokenizer,
     cap: Capture,
     split: int,
     lam: float,
-    solver: RidgeSolver,
-    heldout_windows: int = 4,
-    held: HeldOut | None = None,
-) -> tuple[dict[int, tuple[Tensor, Tensor]], dict]:
-    """(float32 maps, fit provenance with held-out metrics): the work a ridge and an identity folder share.
-    `held` (of this capture and split) spares the held-out model pass; without it, one is run."""
+    solver: RidgeSolver | None = None,
+    held: HeldOut | int = 4,
+) -> Fit:
+    """The fit and its held-out report: the work a ridge and an identity folder share. `held` (of this capture
+    and split) spares the held-out model pass; a number runs one on that many held-out windows."""
+    solver = solver or RidgeSolver.from_stats(cap.stats(split))
     maps = {l: (w.float(), b.float()) for l, (w, b) in solver.solve(lam).items()}
-    held = held or held_out(model, tokenizer, cap, split, heldout_windows)
+    held = held if isinstance(held, HeldOut) else held_out(model, tokenizer, cap, split, held)
     metrics = score_maps(model, held.acts, maps)
     fit = {
         "corpus_sha256": held.corpus_sha256,
@@ -166,65 +177,25 @@ def fit_report(
         "absolute_lambda": solver.absolute_lambda(lam),
         "heldout": {str(l): m for l, m in metrics.items()},
     }
-    return maps, fit
+    return Fit(model, tokenizer, cap, split, lam, maps, fit)
 
 
-def build_maps(
-    model: nn.Module,
-    tokenizer,
-    cap: Capture,
-    split: int,
-    lam: float,
-    out: Path,
-    *,
-    heldout_windows: int = 4,
-    kind: str = "ridge",
-    dtype: torch.dtype = torch.float32,
-    defaults: dict | None = None,
-    solver: RidgeSolver | None = None,
-) -> Path:
-    """Fit, measure on held-out windows and write a map folder (kind='identity' writes the baseline)."""
-    solver = solver or RidgeSolver.from_stats(cap.stats(split))
-    maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
-    return _write(model, tokenizer, cap, split, lam, out, kind, maps, fit, dtype, defaults).path
+def build_maps(fit: Fit, out: Path, kind: str = "ridge", defaults: dict | None = None) -> Path:
+    """Write a fit as a map folder (kind='identity' writes the baseline) with its row-policy `defaults`."""
+    return _write(replace(fit, defaults=defaults) if defaults is not None else fit, Path(out), kind).path
 
 
-def build_map_pair(
-    model: nn.Module,
-    tokenizer,
-    cap: Capture,
-    split: int,
-    lam: float,
-    out_ridge: Path,
-    out_identity: Path,
-    *,
-    heldout_windows: int = 4,
-    dtype: torch.dtype = torch.float32,
-    defaults: dict | None = None,
-) -> tuple[Path, Path]:
+def build_map_pair(fit: Fit, out_ridge: Path, out_identity: Path) -> tuple[Path, Path]:
     """The ridge folder and its identity-fill baseline from one fit and one held-out run."""
-    solver = RidgeSolver.from_stats(cap.stats(split))
-    maps, fit = fit_report(model, tokenizer, cap, split, lam, solver, heldout_windows)
-    return (
-        _write(model, tokenizer, cap, split, lam, out_ridge, "ridge", maps, fit, dtype, defaults).path,
-        _write(model, tokenizer, cap, split, lam, out_identity, "identity", maps, fit, dtype, defaults).path,
-    )
+    return _write(fit, Path(out_ridge), "ridge").path, _write(fit, Path(out_identity), "identity").path
 
 
-def _write(model, tokenizer, cap: Capture, split: int, lam: float, out: Path, kind: str, maps, fit: dict,
-           dtype: torch.dtype, defaults: dict | None) -> MapSet:  # fmt: skip
-    return write_map_set(
-        out,
-        {} if kind == "identity" else maps,
-        fingerprint(model, tokenizer, split),
-        split,
-        kind=kind,
-        lam=None if kind == "identity" else lam,
-        fit=fit,
-        scores=rarity(cap.token_counts()),
-        dtype=dtype,
-        defaults=defaults,
-    )
+def _write(fit: Fit, out: Path, kind: str) -> MapSet:
+    identity = kind == "identity"
+    info = MapInfo(fit.split, kind, None if identity else fit.lam, fit.provenance, fit.defaults)
+    scores = rarity(fit.cap.token_counts())
+    return write_map_set(out, {} if identity else fit.maps, fingerprint(fit.model, fit.tokenizer, fit.split), info,
+                         scores)  # fmt: skip
 
 
 # --- what the tune flow's tasks share in one process -----------------------------------------------------
@@ -245,6 +216,19 @@ def shared_model(path: str, dtype: str = "float32", device: str = "cpu"):
 
 
 @dataclass(frozen=True)
+class ModelRef:
+    """Which model a task works on: the weights' folder, the dtype and the device. Frozen and plain, so Prefect
+    hashes it into a task's cache key; `load()` is the process's one shared copy."""
+
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def load(self) -> tuple[nn.Module, object]:
+        return shared_model(self.path, self.dtype, self.device)
+
+
+@dataclass(frozen=True)
 class Weights:
     """Where a study's weights are, their revision and fingerprint (`fingerprint_key` + anchors hash)."""
 
@@ -261,21 +245,6 @@ def hub_snapshot(repo: str, revision: str) -> tuple[str, str]:
     files = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja"]  # chat_template.jinja: the template
     path = snapshot_download(repo, revision=sha, allow_patterns=files)
     return path, sha
-
-
-def resolve_weights(cfg: Study) -> Weights:
-    """A study's weights: its local folder (or the embedded default), else a Hub snapshot; fingerprinted at
-    every candidate split, so a new release (other anchors) gets another fingerprint."""
-    m = cfg.model
-    if m.local:
-        path = str(default_model_dir()) if m.local == "default" else m.local
-        revision = m.revision if m.local != "default" else "embedded"
-    else:
-        path, revision = hub_snapshot(m.repo, m.revision)
-    lm, tok = shared_model(path, m.dtype, cfg.hardware.device)
-    fps = [fingerprint(lm, tok, s) for s in sorted(cfg.search.splits)]
-    weights = hashlib.sha256(json.dumps([fp["anchors"] for fp in fps], sort_keys=True).encode()).hexdigest()[:16]
-    return Weights(path, revision, f"{fingerprint_key(fps[0])}-{weights}")
 
 
 @functools.cache
@@ -308,7 +277,5 @@ def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, ou
         defaults |= {"window": r.window, "reach": r.reach}  # vLLM pools the question's rows as the trial did
     held = held_out_for(model, tokenizer, capture_path, params.split)
     solver = solver_for(capture_path, params.split)
-    maps, fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver, held=held)
-    return _write(
-        model, tokenizer, cap, params.split, params.lam, Path(out), "ridge", maps, fit, torch.float32, defaults
-    )
+    fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver, held)
+    return _write(replace(fit, defaults=defaults), Path(out), "ridge")

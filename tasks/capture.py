@@ -7,7 +7,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ridgefill.steps import shared_model
+from ridgefill.capture import CaptureOptions
+from ridgefill.steps import CalibrationText, ModelRef, shared_model
+from ridgefill.study import Calibration
 from tasks import CACHED
 
 
@@ -19,25 +21,12 @@ def corpus_sha(source: str | list[str]) -> str:
 
 
 @task(retries=1, cache_policy=CACHED, persist_result=True, result_serializer="json")
-def capture(
-    fingerprint: str,
-    corpus: str,
-    splits: list[int],
-    path: str,
-    dtype: str,
-    device: str,
-    source: str | list[str],
-    window: int,
-    max_windows: int,
-    heldout: int,
-    root: str,
-) -> str:
-    """Capture statistics for every candidate split in one pass; a retry resumes from the checkpoint."""
+def capture(fingerprint: str, corpus: str, splits: list[int], m: ModelRef, cal: Calibration, root: str) -> str:
+    """Capture statistics for every candidate split in one pass; a retry resumes from the checkpoint. Keyed by the
+    weights' fingerprint, the corpus hash, the splits and the study's `calibration` section, taken whole."""
     from ridgefill.steps import run_capture
 
-    lm, tok = shared_model(path, dtype, device)
-    cap = run_capture(
-        lm, tok, source, sorted(splits), window=window, max_windows=max_windows, heldout=heldout,
-        root=Path(root) / fingerprint, progress=False,
-    )  # fmt: skip
+    lm, tok = shared_model(m.path, m.dtype, m.device)
+    text = CalibrationText.of(cal)
+    cap = run_capture(lm, tok, text, sorted(splits), Path(root) / fingerprint, CaptureOptions(progress=False))
     return str(cap.path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ridgefill import capture as capture_mod
-from ridgefill.capture import capture, layer_inputs, load_capture, stats_device
+from ridgefill.capture import CaptureOptions, capture, layer_inputs, load_capture, stats_device
 from ridgefill.corpus import Corpus, load_corpus, token_stream, windows
 
 
@@ -38,7 +38,7 @@ def assert_same_bits(a, b) -> None:
 
 def test_stats_equal_direct_computation(tiny_models, wins, tmp_path):
     model = tiny_models["qwen3"]
-    cap = capture(model, wins, [2, 3], tmp_path / "c", sink_skip=4, stride=2, progress=False)
+    cap = capture(model, wins, [2, 3], tmp_path / "c", CaptureOptions(sink_skip=4, stride=2, progress=False))
     xs, ys = [], []
     for w in wins:
         inputs = layer_inputs(model, w[None], {2, 5})
@@ -63,7 +63,7 @@ def testlayer_inputs_match_hidden_states(tiny_models, wins):
 
 def test_resume_after_interruption_is_identical(tiny_models, wins, tmp_path):
     model = tiny_models["llama"]
-    full = capture(model, wins, [1, 3], tmp_path / "full", checkpoint_seconds=0, progress=False)
+    full = capture(model, wins, [1, 3], tmp_path / "full", CaptureOptions(checkpoint_seconds=0, progress=False))
     calls = []
 
     def crash(_module, _args):
@@ -74,11 +74,11 @@ def test_resume_after_interruption_is_identical(tiny_models, wins, tmp_path):
     handle = model.model.embed_tokens.register_forward_pre_hook(crash)
     try:
         with pytest.raises(RuntimeError, match="simulated crash"):
-            capture(model, wins, [1, 3], tmp_path / "part", checkpoint_seconds=0, progress=False)
+            capture(model, wins, [1, 3], tmp_path / "part", CaptureOptions(checkpoint_seconds=0, progress=False))
     finally:
         handle.remove()
     assert load_capture(tmp_path / "part").meta["windows_done"] == 5  # the last checkpoint
-    resumed = capture(model, wins, [1, 3], tmp_path / "part", checkpoint_seconds=0, progress=False)
+    resumed = capture(model, wins, [1, 3], tmp_path / "part", CaptureOptions(checkpoint_seconds=0, progress=False))
     assert resumed.meta["windows_done"] == full.meta["windows_done"] == 7
     assert_same_bits(full, resumed)
 
@@ -128,15 +128,15 @@ def test_kill_at_every_checkpoint_step_resumes_identically(tiny_models, wins, tm
     monkeypatch.setattr(capture_mod, "layer_inputs", once_a_window)
     with monkeypatch.context() as m:
         steps = _steps(m, None)
-        full = capture(model, w, [1, 3], tmp_path / "full", checkpoint_seconds=0, progress=False)
+        full = capture(model, w, [1, 3], tmp_path / "full", CaptureOptions(checkpoint_seconds=0, progress=False))
     assert len(steps) == 3 * 4 + 2 * 3  # 3 checkpoints of 2 splits + tokens + capture.json; 2 prunes of 3
     for k in range(len(steps)):
         out = tmp_path / f"kill{k:02d}"
         with monkeypatch.context() as m:
             _steps(m, k)
             with pytest.raises(Killed):
-                capture(model, w, [1, 3], out, checkpoint_seconds=0, progress=False)
-        resumed = capture(model, w, [1, 3], out, checkpoint_seconds=0, progress=False)
+                capture(model, w, [1, 3], out, CaptureOptions(checkpoint_seconds=0, progress=False))
+        resumed = capture(model, w, [1, 3], out, CaptureOptions(checkpoint_seconds=0, progress=False))
         assert_same_bits(full, resumed)
         names = {f.name for f in out.iterdir()}
         assert names == {"capture.json", *resumed.files["splits"].values(), resumed.files["tokens"]}, (k, steps[k])
@@ -144,35 +144,37 @@ def test_kill_at_every_checkpoint_step_resumes_identically(tiny_models, wins, tm
 
 def test_resume_refuses_counts_that_disagree(tiny_models, wins, tmp_path):
     model = tiny_models["llama"]
-    cap = capture(model, wins[:4], [1], tmp_path / "c", checkpoint_seconds=0, progress=False)
+    cap = capture(model, wins[:4], [1], tmp_path / "c", CaptureOptions(checkpoint_seconds=0, progress=False))
     meta = json.loads((cap.path / "capture.json").read_text())
     meta["windows_done"] = 3  # statistics of 4 windows under a meta that says 3 (the old non-atomic crash)
     (cap.path / "capture.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"holds 368 rows but capture.json says 3 windows \(276 rows\)"):
-        capture(model, wins[:4], [1], tmp_path / "c", progress=False)
+        capture(model, wins[:4], [1], tmp_path / "c", CaptureOptions(progress=False))
 
 
 def test_resume_refuses_other_settings(tiny_models, wins, tmp_path):
     model = tiny_models["llama"]
-    capture(model, wins[:2], [1], tmp_path / "c", progress=False)
+    capture(model, wins[:2], [1], tmp_path / "c", CaptureOptions(progress=False))
     with pytest.raises(ValueError, match="other settings"):
-        capture(model, wins[:2], [1], tmp_path / "c", stride=2, progress=False)
+        capture(model, wins[:2], [1], tmp_path / "c", CaptureOptions(stride=2, progress=False))
 
 
 def test_device_and_cpu_paths_give_the_same_numbers(tiny_models, wins, tmp_path, caplog):
     model, wins = tiny_models["qwen2"], wins[:4]
     with caplog.at_level(logging.INFO, logger="ridgefill.capture"):
-        on_device = capture(model, wins, [2, 3], tmp_path / "dev", stats_on="device", progress=False)
-        on_cpu = capture(model, wins, [2, 3], tmp_path / "cpu", stats_on="cpu", progress=False)
+        on_device = capture(model, wins, [2, 3], tmp_path / "dev", CaptureOptions(stats_on="device", progress=False))
+        on_cpu = capture(model, wins, [2, 3], tmp_path / "cpu", CaptureOptions(stats_on="cpu", progress=False))
     assert "statistics (float64) on cpu (the model's device)" in caplog.text
     assert "statistics (float64) on cpu (asked)" in caplog.text
     assert_same_bits(on_device, on_cpu)
     # a capture begun on one path resumes on the other
-    part = capture(model, wins[:2], [2, 3], tmp_path / "mix", stats_on="device", progress=False)
+    part = capture(model, wins[:2], [2, 3], tmp_path / "mix", CaptureOptions(stats_on="device", progress=False))
     meta = json.loads((part.path / "capture.json").read_text())
     meta["windows_total"] = 4
     (part.path / "capture.json").write_text(json.dumps(meta))
-    assert_same_bits(on_cpu, capture(model, wins, [2, 3], tmp_path / "mix", stats_on="cpu", progress=False))
+    assert_same_bits(
+        on_cpu, capture(model, wins, [2, 3], tmp_path / "mix", CaptureOptions(stats_on="cpu", progress=False))
+    )
 
 
 def test_stats_device_falls_back_to_the_cpu(monkeypatch):

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 import registry
 from registry import LocalBackend, RegistryError, pull
 from ridgefill import certify, objectives
-from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill.results import Recorder, StudyRun, TrialRecord, query
 from ridgefill.study import Certify
 from tests.test_registry import make_maps
 
@@ -37,7 +37,7 @@ BAD = rows({"niah_single_1": [100.0] * 6 + [0.0] * 4, "niah_multikey_1": [0.0] *
 
 
 def cert_of(map_rows, max_drop=5.0, trial=0):
-    return certify.certificate("smol", trial, SPEC, max_drop, map_rows, EXACT, "pydoc (test)", key="k")
+    return certify.certificate("smol", trial, SPEC, max_drop, map_rows, EXACT, "pydoc (test)") | {"key": "k"}
 
 
 def test_certificate_on_known_rows():
@@ -74,7 +74,7 @@ def chosen(tiny_models, tokenizer, tmp_path, monkeypatch):
     folder = make_maps(tiny_models["llama"], tokenizer, tmp_path / "maps")
     db = tmp_path / "ridgefill.duckdb"
     with Recorder(db) as rec:
-        rec.study("smol", BASE, "embedded", "fp", "transformers", 5.0, {})
+        rec.study(StudyRun("smol", BASE, "embedded", "fp", "transformers", 5.0, {}))
         metrics = [("ruler", "trial", "niah_single_1", 1024, "all", 100.0, 6)]
         ci = {"lo": 0.0, "hi": 0.0, "n": 6}
         rec.trials([TrialRecord("smol", 2, "COMPLETE", {"split": 2}, 0.0, 1.3, None, True, str(folder), 1.0,

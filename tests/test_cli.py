@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from ridgefill.cli import app
 from ridgefill.maps import read_manifest
-from ridgefill.results import Recorder, TrialRecord, query
+from ridgefill.results import Recorder, StudyRun, TrialRecord, query
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -114,7 +114,7 @@ def test_publish_pull_and_list(built, model_dir, tmp_path):
 def test_results_and_publish_from_the_db(built, tmp_path):
     db, maps = tmp_path / "results.duckdb", str(built["maps"])
     with Recorder(db) as rec:
-        rec.study("tiny-1", "test/tiny-qwen3", "main", "fp", "transformers", 10.0, {}, "tiny")
+        rec.study(StudyRun("tiny-1", "test/tiny-qwen3", "main", "fp", "transformers", 10.0, {}, "tiny"))
         rec.trials([
             TrialRecord("tiny-1", 0, "COMPLETE", {"split": 2, "lam": 1e-2, "tail": 32}, -1.0, 1.4, None, True, maps,
                         2.0, [("ttft", "trial", "speedup", 256, "all", 1.4, 1)]),

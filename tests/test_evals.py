@@ -6,7 +6,7 @@ import torch
 
 from ridgefill.evals.nll import bootstrap_ci, documents, evaluate_nll
 from ridgefill.evals.ruler import Haystack
-from ridgefill.evals.ruler_run import aggregate, run_ruler, table
+from ridgefill.evals.ruler_run import Cells, aggregate, run_ruler, table
 from ridgefill.evals.ttft import paired_ttft, ratio_ci, transformers_engine
 from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan
@@ -53,7 +53,7 @@ def test_ruler_runner_scores_by_region(tiny_models, tokenizer, essay_text):
     model = tiny_models["llama"]
     hay = Haystack(tuple(essay_text.split()), "essays")
     plans = {"exact": FillPlan(), "plumb": FillPlan("plumb", split=2, rows=RowPolicy(tail=32))}
-    res = run_ruler(model, tokenizer, plans, ["niah_single_2"], [512], hay, samples=3, progress=False)
+    res = run_ruler(model, tokenizer, plans, Cells(["niah_single_2"], [512], hay, samples=3), progress=False)
     rows = res["samples"]
     assert len(rows) == 6 and {r["region"] for r in rows if r["plan"] == "plumb"} <= {"bulk", "tail", "sink"}
     exact = {r["index"]: r["prediction"] for r in rows if r["plan"] == "exact"}

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ridgefill.capture import capture
+from ridgefill.capture import CaptureOptions, capture
 from ridgefill.corpus import Corpus, token_stream, windows
 from ridgefill.fingerprint import fingerprint
 from ridgefill.fit import RidgeSolver
-from ridgefill.maps import MapError, load_maps, manifest_digest, read_manifest, write_maps
+from ridgefill.maps import MapError, MapInfo, load_maps, manifest_digest, read_manifest, write_maps
 from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan, prefill
 from ridgefill.scores import rarity
@@ -27,16 +27,13 @@ def fitted(tmp_path_factory, tiny_models, tokenizer, essay_text):
     model = tiny_models["llama"]
     root = tmp_path_factory.mktemp("maps")
     wins = windows(token_stream(Corpus("t", [essay_text[:40000]]), tokenizer), 128)[:12]
-    cap = capture(model, wins, [2], root / "cap", progress=False)
+    cap = capture(model, wins, [2], root / "cap", CaptureOptions(progress=False))
     maps = RidgeSolver.from_stats(cap.stats(2)).solve(1e-3)
     path = write_maps(
         root / "maps",
         {l: (w.float(), b.float()) for l, (w, b) in maps.items()},
         fingerprint(model, tokenizer, 2),
-        2,
-        kind="ridge",
-        lam=1e-3,
-        fit={"tokens": 12 * 128},
+        MapInfo(2, "ridge", 1e-3, {"tokens": 12 * 128}),
         scores=rarity(cap.token_counts()),
     )
     return model, path
@@ -141,13 +138,19 @@ def test_anchor_mismatch_only_warns(fitted, tokenizer, caplog):
 
 def test_map_pair_shares_one_fit(tiny_models, tokenizer, essay_text, tmp_path):
     """The ridge folder and its identity baseline come from one fit and one held-out run."""
-    from ridgefill.steps import build_map_pair, run_capture
+    from ridgefill.steps import CalibrationText, build_map_pair, fit_report, run_capture
 
     (tmp_path / "cal.txt").write_text(essay_text[:40000])
     model = tiny_models["llama"]
-    cap = run_capture(model, tokenizer, [str(tmp_path / "cal.txt")], [2], window=128, max_windows=8, heldout=2,
-                      root=tmp_path, progress=False)  # fmt: skip
-    ridge, ident = build_map_pair(model, tokenizer, cap, 2, 1e-2, tmp_path / "r", tmp_path / "i", heldout_windows=1)
+    cap = run_capture(
+        model,
+        tokenizer,
+        CalibrationText([str(tmp_path / "cal.txt")], window=128, max_windows=8, heldout=2),
+        [2],
+        tmp_path,
+        CaptureOptions(progress=False),
+    )
+    ridge, ident = build_map_pair(fit_report(model, tokenizer, cap, 2, 1e-2, held=1), tmp_path / "r", tmp_path / "i")
     mr, mi = load_maps(ridge, model, tokenizer), load_maps(ident, model, tokenizer)
     assert mr.kind == "ridge" and sorted(mr.weights) == [3, 4, 5]
     assert mi.kind == "identity" and mi.weights == {} and mi.manifest["lambda"] is None
@@ -262,14 +265,14 @@ def test_a_writer_cannot_produce_an_inconsistent_folder(tiny_models, tokenizer, 
     d = model.config.hidden_size
     partial = {3: (torch.eye(d), torch.zeros(d))}  # layers 4 and 5 missing
     with pytest.raises(ValueError, match=r"refusing to write maps to .*late_layers \[3, 4, 5\]"):
-        write_maps(tmp_path / "m", partial, fp, 2, kind="ridge", lam=1e-3, fit={})
+        write_maps(tmp_path / "m", partial, fp, MapInfo(2, "ridge", 1e-3, {}))
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.partial").exists()
 
 
 def test_no_local_path_in_the_manifest_or_card(tiny_models, tokenizer, tmp_path):
     """A model loaded from a local folder and calibrated on a local file: the manifest records names only."""
     from registry.card import make_card
-    from ridgefill.steps import build_maps, load_model, run_capture
+    from ridgefill.steps import CalibrationText, build_maps, fit_report, load_model, run_capture
 
     folder = tmp_path / "models" / "tiny-llama"
     tiny_models["llama"].save_pretrained(folder)
@@ -277,9 +280,15 @@ def test_no_local_path_in_the_manifest_or_card(tiny_models, tokenizer, tmp_path)
     model, tok = load_model(folder)
     assert model.config.name_or_path == str(folder)  # what transformers records: an absolute path
     (tmp_path / "cal.txt").write_text(prose_text()[:40000])
-    cap = run_capture(model, tok, [str(tmp_path / "cal.txt")], [2], window=128, max_windows=6, heldout=2,
-                      root=tmp_path, progress=False)  # fmt: skip
-    maps = build_maps(model, tok, cap, 2, 1e-2, tmp_path / "maps", heldout_windows=1)
+    cap = run_capture(
+        model,
+        tok,
+        CalibrationText([str(tmp_path / "cal.txt")], window=128, max_windows=6, heldout=2),
+        [2],
+        tmp_path,
+        CaptureOptions(progress=False),
+    )
+    maps = build_maps(fit_report(model, tok, cap, 2, 1e-2, held=1), tmp_path / "maps")
     text = (maps / "ridgefill.json").read_text()
     manifest = json.loads(text)
     assert manifest["model"]["name_or_path"] == "tiny-llama" and manifest["fit"]["source"] == ["cal.txt"]
@@ -287,8 +296,8 @@ def test_no_local_path_in_the_manifest_or_card(tiny_models, tokenizer, tmp_path)
     for published in (text, card):
         assert str(tmp_path) not in published and '"/' not in published and "file:" not in published
     with pytest.raises(ValueError, match=r"fit\.corpus holds a local absolute path"):
-        write_maps(tmp_path / "leak", {}, fingerprint(model, tok, 2), 2, kind="identity", lam=None,
-                   fit={"corpus": str(tmp_path / "cal.txt")})  # fmt: skip
+        write_maps(tmp_path / "leak", {}, fingerprint(model, tok, 2),
+                   MapInfo(2, "identity", None, {"corpus": str(tmp_path / "cal.txt")}))  # fmt: skip
 
 
 def test_bulk_rows_cache_what_the_map_predicts(fitted, tokenizer):

@@ -67,7 +67,7 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     db = tmp_path / "results.duckdb"
     try:
         for attempt in (1, 2):  # the second run finds the budget spent and the capture cached
-            params = json.dumps({"overrides": TINY, "db": str(db), "publish": attempt == 1})
+            params = json.dumps({"overrides": TINY, "where": {"db": str(db)}, "publish": attempt == 1})
             run = subprocess.run(
                 [PREFECT, "deployment", "run", "tune/smollm2-135m", "--params", params, "--watch",
                  "--watch-timeout", "600"],

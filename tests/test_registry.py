@@ -41,7 +41,7 @@ from registry.card import EMBEDDED_BASE, make_card
 from registry.hub import git_blob_id
 from ridgefill.cli import app
 from ridgefill.fingerprint import fingerprint
-from ridgefill.maps import MapError, load_maps, read_manifest, write_manifest, write_maps
+from ridgefill.maps import MapError, MapInfo, load_maps, read_manifest, write_manifest, write_maps
 from ridgefill.rows import RowPolicy
 from ridgefill.runtime import FillPlan, prefill
 from tests.conftest import tiny_model
@@ -65,7 +65,7 @@ def make_maps(model, tokenizer, out: Path, seed: int = 0, split: int = 2) -> Pat
     weights = {l: (torch.eye(d) + 0.01 * torch.randn(d, d, generator=g), torch.zeros(d)) for l in late}
     scores = torch.rand(len(tokenizer), generator=g)
     fp = fingerprint(model, tokenizer, split)
-    return write_maps(out, weights, fp, split, kind="ridge", lam=1e-3, fit={"seed": seed}, scores=scores)
+    return write_maps(out, weights, fp, MapInfo(split, "ridge", 1e-3, {"seed": seed}), scores=scores)
 
 
 @pytest.fixture(scope="module")
@@ -500,12 +500,12 @@ def test_publish_studies_records_each_publication_once_with_its_manifest_digest(
 
 def test_publish_best_inside_the_tuning_recorder(llama, tokenizer, maps_dir, tmp_path, monkeypatch):
     """The pipeline's schema (ridgefill/results.py), called as flows/tune.py does: while its Recorder is open."""
-    from ridgefill.results import Recorder, TrialRecord, query
+    from ridgefill.results import Recorder, StudyRun, TrialRecord, query
 
     monkeypatch.setenv("RIDGEFILL_REGISTRY", str(tmp_path / "reg"))
     db, base = tmp_path / "ridgefill.duckdb", "HuggingFaceTB/SmolLM2-135M-Instruct"
     with Recorder(db) as rec:
-        rec.study("smol", base, "abc123", "fp", "transformers", 0.02, {})
+        rec.study(StudyRun("smol", base, "abc123", "fp", "transformers", 0.02, {}))
         metrics = [
             ("ruler", "trial", "niah_single", 4096, "bulk", 0.75, 8),
             ("ttft", "trial", "speedup", 4096, "all", 1.6, 5),

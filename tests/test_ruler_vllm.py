@@ -18,16 +18,17 @@ import pytest
 pytest.importorskip("vllm")
 
 from ridgefill import objectives, search  # noqa: E402
+from ridgefill.capture import CaptureOptions  # noqa: E402
 from ridgefill.decision import Gate  # noqa: E402
 from ridgefill.evals.ruler import load_haystack  # noqa: E402
-from ridgefill.evals.ruler_run import run_ruler  # noqa: E402
+from ridgefill.evals.ruler_run import Cells, run_ruler  # noqa: E402
 from ridgefill.maps import load_maps  # noqa: E402
 from ridgefill.rows import (
     ROWS,  # noqa: E402
     RowPolicy,  # noqa: E402
 )
 from ridgefill.runtime import FillPlan  # noqa: E402
-from ridgefill.steps import build_maps, run_capture  # noqa: E402
+from ridgefill.steps import CalibrationText, build_maps, fit_report, run_capture  # noqa: E402
 from ridgefill.study import load_study  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,13 +51,20 @@ def cfg():
 def setup(tmp_path_factory, smollm2, cfg):
     model, tok = smollm2
     root = tmp_path_factory.mktemp("ruler-vllm")
-    cap = run_capture(model, tok, "pydoc", [SPLIT], window=256, max_windows=8, heldout=2, root=root, progress=False)
+    cap = run_capture(
+        model,
+        tok,
+        CalibrationText("pydoc", window=256, max_windows=8, heldout=2),
+        [SPLIT],
+        root,
+        CaptureOptions(progress=False),
+    )
     defaults = {"tail": TAIL, "sink": 4, "share": 0.0}
-    folder = build_maps(model, tok, cap, SPLIT, LAM, root / "maps", heldout_windows=1, defaults=defaults)
+    folder = build_maps(fit_report(model, tok, cap, SPLIT, LAM, held=1), root / "maps", defaults=defaults)
     ridge = FillPlan("ridge", maps=load_maps(folder, model, tok), rows=RowPolicy(sink=4, tail=TAIL))
     r = cfg.objectives.ruler
     plans = {"exact": FillPlan(), "ridge": ridge}
-    ref = run_ruler(model, tok, plans, list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.most, r.seed)
+    ref = run_ruler(model, tok, plans, Cells(list(r.tasks), list(r.lengths), load_haystack(r.haystack), r.most, r.seed))
     return {"model": model, "tok": tok, "folder": folder, "ref": ref}
 
 
@@ -65,9 +73,9 @@ def run_jobs(monkeypatch, call):
     seen: list[dict] = []
     real = objectives.run_vllm_job
 
-    def run(job: dict) -> dict:
-        if job.get("ruler"):
-            job["ruler"]["margins"] = True
+    def run(job: objectives.VllmJob) -> dict:
+        if job.ruler:
+            job.ruler["margins"] = True
         seen.append(real(job))
         return seen[-1]
 

@@ -34,8 +34,14 @@ def test_one_trial_hashes_each_written_file_once(tokenizer, tiny_models, tmp_pat
     model = tiny_models["llama"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
-    cap = steps.run_capture(model, tokenizer, str(text), [2, 3], window=64, max_windows=4, heldout=1,
-                            root=tmp_path, progress=False)  # fmt: skip
+    cap = steps.run_capture(
+        model,
+        tokenizer,
+        steps.CalibrationText(str(text), window=64, max_windows=4, heldout=1),
+        [2, 3],
+        tmp_path,
+        steps.CaptureOptions(progress=False),
+    )
     cfg = load_study(STUDY, SMALL)
     exact = objectives.run_ruler_plan(model, tokenizer, FillPlan(), cfg.objectives.ruler)
 
@@ -79,8 +85,14 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
     model = tiny_models["llama"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
-    cap = steps.run_capture(model, tokenizer, str(text), [2], window=64, max_windows=4, heldout=1,
-                            root=tmp_path, progress=False)  # fmt: skip
+    cap = steps.run_capture(
+        model,
+        tokenizer,
+        steps.CalibrationText(str(text), window=64, max_windows=4, heldout=1),
+        [2],
+        tmp_path,
+        steps.CaptureOptions(progress=False),
+    )
     cfg = load_study(
         STUDY,
         SMALL
@@ -100,11 +112,11 @@ def test_the_studys_selector_reaches_the_plan_and_the_map_defaults(tokenizer, ti
         and plan.rows.window == params.rows.window
     )
     assert plan.rows.reach == 6
-    opts = objectives.vllm_job(model, "float32", replace(plan, rows=plan.rows.given(window=8, query=16)))["options"]
+    opts = objectives.VllmJob.of(model, "float32", replace(plan, rows=plan.rows.given(window=8, query=16))).options
     assert opts["select"] == "question" and (opts["window"], opts["query"], opts["reach"]) == (8, 16, 6)
     assert (
         "window"
-        not in objectives.vllm_job(model, "float32", replace(plan, rows=plan.rows.given(select="rarity")))["options"]
+        not in objectives.VllmJob.of(model, "float32", replace(plan, rows=plan.rows.given(select="rarity"))).options
     )
     try:
         load_study(STUDY, {"search": {"select": "attention"}})
@@ -120,8 +132,14 @@ def test_a_trial_near_the_front_is_promoted_to_more_samples(tokenizer, tiny_mode
     model = tiny_models["llama"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
-    cap = steps.run_capture(model, tokenizer, str(text), [3], window=64, max_windows=4, heldout=1,
-                            root=tmp_path, progress=False)  # fmt: skip
+    cap = steps.run_capture(
+        model,
+        tokenizer,
+        steps.CalibrationText(str(text), window=64, max_windows=4, heldout=1),
+        [3],
+        tmp_path,
+        steps.CaptureOptions(progress=False),
+    )
     small = SMALL | {
         "objectives": SMALL["objectives"]
         | {"ruler": {"tasks": ["niah_single_1", "niah_single_2"], "lengths": [512], "samples": 1, "promote": 3}}
@@ -249,8 +267,14 @@ def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_
     model = tiny_models["qwen3"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 89} and other text" for i in range(3000)))
-    cap = steps.run_capture(model, tokenizer, str(text), [2], window=64, max_windows=4, heldout=2,
-                            root=tmp_path, progress=False)  # fmt: skip
+    cap = steps.run_capture(
+        model,
+        tokenizer,
+        steps.CalibrationText(str(text), window=64, max_windows=4, heldout=2),
+        [2],
+        tmp_path,
+        steps.CaptureOptions(progress=False),
+    )
     passes = []
     hook = model.model.register_forward_pre_hook(lambda *_: passes.append(1))
     try:
@@ -269,7 +293,7 @@ def test_trials_of_one_split_share_one_heldout_pass(tokenizer, tiny_models, tmp_
     assert len(passes) == 2  # one held-out pass (two windows) for both lambdas
     for ms, lam in zip(fits, (1e-3, 1e-1), strict=True):
         solver = steps.solver_for(str(cap.path), 2)
-        _, fresh = steps.fit_report(model, tokenizer, cap, 2, lam, solver)  # its own pass
+        fresh = steps.fit_report(model, tokenizer, cap, 2, lam, solver).provenance  # its own pass
         assert ms.manifest["fit"]["heldout"] == fresh["heldout"] and ms.manifest["fit"]["heldout_windows"] == 2
     assert fits[0].manifest["fit"]["heldout"] != fits[1].manifest["fit"]["heldout"]
 
@@ -302,8 +326,14 @@ def test_a_trial_that_cannot_pass_is_not_timed(tokenizer, tiny_models, tmp_path,
     model = tiny_models["llama"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
-    cap = steps.run_capture(model, tokenizer, str(text), [3], window=64, max_windows=4, heldout=1,
-                            root=tmp_path, progress=False)  # fmt: skip
+    cap = steps.run_capture(
+        model,
+        tokenizer,
+        steps.CalibrationText(str(text), window=64, max_windows=4, heldout=1),
+        [3],
+        tmp_path,
+        steps.CaptureOptions(progress=False),
+    )
     monkeypatch.setattr(trial_tasks, "shared_model", lambda *a: (model, tokenizer))
     timed = []
     for name in ("fit", "measure_ruler", "evaluate", "measure_ttft"):

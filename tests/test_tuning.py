@@ -14,7 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from ridgefill import objectives, report, search
-from ridgefill.results import Recorder, TrialRecord, connect, insert_rows, query
+from ridgefill.results import Recorder, StudyRun, TrialRecord, connect, insert_rows, query
 from ridgefill.study import load_study
 
 STUDY = Path(__file__).resolve().parents[1] / "studies" / "smollm2-135m.yaml"
@@ -48,7 +48,7 @@ def test_recorder_upserts_and_views(tmp_path):
     assert query(db, "SELECT trial FROM pareto ORDER BY trial")[1] == [(0,), (1,)]
     assert query(db, "SELECT model, trial, path FROM best_map")[1] == [("m/x", 1, "maps/1")]
     with Recorder(db) as rec:  # a newer run of the model (new weights) chooses a slower map: it is what to serve
-        rec.study("s-new", "m/x", "rev2", "fp2", "transformers", 2.0, {}, spec="s")
+        rec.study(StudyRun("s-new", "m/x", "rev2", "fp2", "transformers", 2.0, {}, "s"))
         rec.maps([("s-new", 0, "m/x", "maps/new", "ghi", 18, 1e-3, 64, 0.0, -1.0, 1.1)], "s-new", 0)
     assert query(db, "SELECT study, path FROM best_map")[1] == [("s-new", "maps/new")]
     with Recorder(db) as rec:  # nothing feasible in a rerun: no chosen map is left behind
@@ -311,16 +311,17 @@ def test_capture_is_reused_not_recaptured(tokenizer, tiny_models, tmp_path, monk
     model = tiny_models["llama"]
     text = tmp_path / "c.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(3000)))
-    kw = dict(window=64, max_windows=4, heldout=1, root=tmp_path, progress=False)
-    first = steps.run_capture(model, tokenizer, str(text), [2, 4], **kw)
+    text = steps.CalibrationText(str(text), window=64, max_windows=4, heldout=1)
+    kw = dict(root=tmp_path, how=steps.CaptureOptions(progress=False))
+    first = steps.run_capture(model, tokenizer, text, [2, 4], **kw)
 
     def boom(*a, **k):
         raise AssertionError("recaptured")
 
     monkeypatch.setattr(steps, "capture", boom)
-    again = steps.run_capture(model, tokenizer, str(text), [4, 2], **kw)
+    again = steps.run_capture(model, tokenizer, text, [4, 2], **kw)
     assert again.path == first.path and again.meta["windows_done"] == 4
-    assert steps.run_capture(model, tokenizer, str(text), [2], **kw).path == first.path  # a subset of splits
+    assert steps.run_capture(model, tokenizer, text, [2], **kw).path == first.path  # a subset of splits
 
 
 def test_study_storage_choices(tmp_path):

@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from ridgefill.capture import CaptureOptions  # noqa: E402
 from ridgefill.maps import load_maps, write_manifest  # noqa: E402
 from ridgefill.rows import RowPolicy  # noqa: E402
 from ridgefill.runtime import FillPlan, generate, prefill  # noqa: E402
-from ridgefill.steps import build_maps, run_capture  # noqa: E402
+from ridgefill.steps import CalibrationText, build_maps, fit_report, run_capture  # noqa: E402
 from tests.conftest import prose_text, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -105,9 +106,16 @@ def assert_filled(got: dict) -> None:
 def setup(tmp_path_factory, smollm2, smollm2_dir):
     model, tok = smollm2
     root = tmp_path_factory.mktemp("vllm")
-    cap = run_capture(model, tok, "pydoc", [15], window=256, max_windows=24, heldout=2, root=root, progress=False)
+    cap = run_capture(
+        model,
+        tok,
+        CalibrationText("pydoc", window=256, max_windows=24, heldout=2),
+        [15],
+        root,
+        CaptureOptions(progress=False),
+    )
     maps_dir = build_maps(
-        model, tok, cap, 15, 1e-2, root / "maps", heldout_windows=1, defaults={"tail": 48, "sink": 4, "share": 0.0}
+        fit_report(model, tok, cap, 15, 1e-2, held=1), root / "maps", defaults={"tail": 48, "sink": 4, "share": 0.0}
     )
     text = prose_text()[300_000:320_000]  # far past the pydoc windows the maps were fitted on
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -251,10 +259,15 @@ def _tiny_served(tmp_path, tokenizer, essay_text, family: str, split: int, **con
     (tmp_path / "cal.txt").write_text(essay_text[:60000])
     cal = [str(tmp_path / "cal.txt")]
     cap = run_capture(
-        model, tokenizer, cal, [split], window=128, max_windows=16, heldout=2, root=tmp_path, progress=False
+        model,
+        tokenizer,
+        CalibrationText(cal, window=128, max_windows=16, heldout=2),
+        [split],
+        tmp_path,
+        CaptureOptions(progress=False),
     )
     defaults = {"tail": 16, "sink": 4, "share": 0.0}
-    maps_dir = build_maps(model, tokenizer, cap, split, 1e-2, tmp_path / "maps", heldout_windows=1, defaults=defaults)
+    maps_dir = build_maps(fit_report(model, tokenizer, cap, split, 1e-2, held=1), tmp_path / "maps", defaults=defaults)
     ids = tokenizer(essay_text[70000:80000], add_special_tokens=False)["input_ids"][:300]
     return model, maps_dir, ids
 

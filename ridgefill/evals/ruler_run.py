@@ -7,6 +7,7 @@ rows RidgeFill approximates; this is where a fitted map is compared with identit
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,22 +17,28 @@ from ridgefill.evals.ruler import TaskUnavailable, make_samples, region_of, samp
 from ridgefill.runtime import FillPlan, generate
 
 
-def run_ruler(
-    model: nn.Module,
-    tokenizer,
-    plans: dict[str, FillPlan],
-    tasks: list[str],
-    lengths: list[int],
-    haystack,
-    samples: int = 10,
-    seed: int = 0,
-    progress: bool = True,
-    first: int = 0,
-) -> dict:
-    """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}} over
-    sample indices first..samples-1 (a promoted trial adds samples to those it scored)."""
+@dataclass(frozen=True)
+class Cells:
+    """Which RULER prompts a run scores, the same on every engine: `tasks` x `lengths` on `haystack`, sample indices
+    `first`..`samples`-1 drawn with `seed` (a promoted trial adds samples to those it scored)."""
+
+    tasks: list[str]
+    lengths: list[int]
+    haystack: object
+    samples: int = 10
+    seed: int = 0
+    first: int = 0
+
+    def drawn(self, tokenizer):
+        """`sample_cells` of these prompts: ([(task, length, samples)], skipped)."""
+        return sample_cells(tokenizer, self.tasks, self.lengths, self.haystack, self.samples, self.seed, self.first)
+
+
+def run_ruler(model: nn.Module, tokenizer, plans: dict[str, FillPlan], cells: Cells, progress: bool = True) -> dict:
+    """{"samples": [...], "scores": {plan: {task: {length: {"all", "bulk", "tail", "sink", "n_*"}}}}} over the
+    `cells`' prompts."""
     device = next(model.parameters()).device
-    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed, first)
+    cells, skipped = cells.drawn(tokenizer)
     rows = []
     for task, length, batch in cells:
         for name, plan in plans.items():

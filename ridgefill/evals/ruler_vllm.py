@@ -7,7 +7,7 @@ that differs from another runtime's can be told apart from a near-tie.
 
 from __future__ import annotations
 
-from ridgefill.evals.ruler_run import aggregate, sample_cells, sample_row
+from ridgefill.evals.ruler_run import Cells, aggregate, sample_row
 from ridgefill.runtime import FillPlan
 
 
@@ -42,19 +42,8 @@ def _margin(step: dict) -> float:
     return lps[0] - lps[1] if len(lps) > 1 else float("inf")
 
 
-def run_ruler_vllm(
-    llm,
-    tokenizer,
-    plans: dict[str, str],
-    tasks: list[str],
-    lengths: list[int],
-    haystack,
-    samples: int = 10,
-    seed: int = 0,
-    margins: bool = False,
-    first: int = 0,
-) -> dict:
-    """`run_ruler`'s result on one engine (sample indices first..samples-1); `plans` maps a name to "exact" or
+def run_ruler_vllm(llm, tokenizer, plans: dict[str, str], cells: Cells, margins: bool = False) -> dict:
+    """`run_ruler`'s result on one engine (the same `cells`' prompts); `plans` maps a name to "exact" or
     "served" (the engine's maps).
 
     RidgeFill is switched on or off per plan between batches (never while a request is in flight).
@@ -68,7 +57,7 @@ def run_ruler_vllm(
             raise ValueError(f"plan {name!r}: vLLM serves 'exact' or 'served' (the engine's maps), not {kind!r}")
         if kind == "served" and state is None:
             raise RuntimeError(f"plan {name!r}: the engine serves no RidgeFill maps (see its warning)")
-    cells, skipped = sample_cells(tokenizer, tasks, lengths, haystack, samples, seed, first)
+    cells, skipped = cells.drawn(tokenizer)
     rows = []
     try:
         for task, length, batch in cells:

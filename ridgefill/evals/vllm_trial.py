@@ -97,6 +97,7 @@ def _scorer(llm, job: dict, out: dict):
     from transformers import AutoTokenizer
 
     from ridgefill.evals.ruler import load_haystack
+    from ridgefill.evals.ruler_run import Cells
     from ridgefill.evals.ruler_vllm import run_ruler_vllm
 
     r = job["ruler"]
@@ -104,10 +105,8 @@ def _scorer(llm, job: dict, out: dict):
 
     def score(first: int, last: int) -> dict:
         t = time.perf_counter()
-        res = run_ruler_vllm(
-            llm, tok, r["plans"], list(r["tasks"]), list(r["lengths"]), hay, last, r.get("seed", 0),
-            margins=bool(r.get("margins")), first=first,
-        )  # fmt: skip
+        cells = Cells(list(r["tasks"]), list(r["lengths"]), hay, last, r.get("seed", 0), first)
+        res = run_ruler_vllm(llm, tok, r["plans"], cells, margins=bool(r.get("margins")))
         key = "ruler" if first == r.get("first", 0) else "promoted"
         out["seconds"][key] = time.perf_counter() - t
         return res
