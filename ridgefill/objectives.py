@@ -450,10 +450,7 @@ def certified_ttft(model, tokenizer, params: Params, map_path: str, cfg: Study, 
 
 def plugin_options_of(rows) -> dict:
     """A row policy as the plugin's hf_overrides (`ridgefill_<key>`)."""
-    opts = {"sink": rows.sink, "tail": rows.tail, "share": rows.share, "select": rows.select}
-    if rows.select == "question":
-        opts |= {"query": rows.query, "window": rows.window, "score_layers": rows.score_layers, "reach": rows.reach}
-    return opts
+    return rows.options()
 
 
 # --- one trial's measurements (what the Prefect tasks call) ----------------------------------------------

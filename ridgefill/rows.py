@@ -15,7 +15,7 @@ the vLLM plugin take theirs from `ROWS`) and their checks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 Select = Literal["rarity", "question", "random"]
+QUESTION = {"question": True}  # a field that only shapes the "question" selector
 SELECTS: tuple[str, ...] = ("rarity", "question", "random")
 
 
@@ -39,10 +40,10 @@ class RowPolicy:
     tail: int = 256
     share: float = 0.0
     select: Select = "rarity"
-    query: int = 32
-    window: int = 4
-    score_layers: int = 3
-    reach: int = 0
+    query: int = field(default=32, metadata=QUESTION)
+    window: int = field(default=4, metadata=QUESTION)
+    score_layers: int = field(default=3, metadata=QUESTION)
+    reach: int = field(default=0, metadata=QUESTION)
 
     def check(self, prefix: str = "") -> RowPolicy:
         """This policy, or ValueError naming the bad setting as the caller spells it (`prefix`, e.g.
@@ -75,6 +76,18 @@ class RowPolicy:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def options(self) -> dict[str, Any]:
+        """The settings that travel with a plan (a map folder's defaults, the vLLM plugin's `ridgefill_<key>`
+        overrides): every field, those that only shape the question selector only when it selects."""
+        question = self.select == "question"
+        return {f.name: getattr(self, f.name) for f in fields(self) if question or not f.metadata.get("question")}
+
+    @classmethod
+    def typed(cls, values: Mapping[str, Any]) -> RowPolicy:
+        """The policy `values` names, each value cast to its field's type (a folder's JSON, text from a config),
+        `ROWS` for what it leaves out; unchecked."""
+        return cls(**{f.name: type(getattr(ROWS, f.name))(values[f.name]) for f in fields(cls) if f.name in values})
 
     @property
     def by_question(self) -> bool:

@@ -271,10 +271,7 @@ def fit_trial(model: nn.Module, tokenizer, capture_path: str, params: Params, ou
     """Fit a trial's split at its lambda and write its map folder with its row-policy defaults: the verified
     `MapSet` that the trial's later steps pass along (its files hashed once, as they were written)."""
     cap = load_capture(Path(capture_path))
-    r = params.rows
-    defaults = {"tail": r.tail, "sink": r.sink, "share": r.share, "select": r.select}
-    if r.select == "question":
-        defaults |= {"window": r.window, "reach": r.reach}  # vLLM pools the question's rows as the trial did
+    defaults = params.rows.options()  # vLLM protects (and pools the question's rows) as the trial did
     held = held_out_for(model, tokenizer, capture_path, params.split)
     solver = solver_for(capture_path, params.split)
     fit = fit_report(model, tokenizer, cap, params.split, params.lam, solver, held)

@@ -13,7 +13,7 @@ from pathlib import Path
 from ridgefill import settings
 from ridgefill.fingerprint import compare, fingerprint_from
 from ridgefill.maps import MapError, read_manifest, verify_files
-from ridgefill.rows import ROWS, RowPolicy
+from ridgefill.rows import RowPolicy
 
 ARCHS = {
     "LlamaForCausalLM": "RidgeFillLlamaForCausalLM",
@@ -157,17 +157,8 @@ def refusal(vllm_config, cuda: bool) -> str | None:
 def serve_options(cfg, manifest: dict) -> tuple[RowPolicy, str]:
     """(row policy, mode): the hf_overrides `ridgefill_*` over the folder's defaults (`ridgefill_select`,
     `_query`, `_window`, `_score_layers`, `_reach` shape the question selector); ValueError if invalid."""
-    d = manifest["defaults"]
-    rows = RowPolicy(
-        _option(cfg, "sink", int(d["sink"])),
-        _option(cfg, "tail", int(d["tail"])),
-        _option(cfg, "share", float(d["share"])),
-        _option(cfg, "select", str(d.get("select", ROWS.select))),
-        _option(cfg, "query", int(d.get("query", ROWS.query))),
-        _option(cfg, "window", int(d.get("window", ROWS.window))),
-        _option(cfg, "score_layers", int(d.get("score_layers", ROWS.score_layers))),
-        _option(cfg, "reach", int(d.get("reach", ROWS.reach))),
-    ).check(PREFIX)
+    folder = RowPolicy.typed(manifest["defaults"]).as_dict()  # every field, `ROWS`' where the folder names none
+    rows = RowPolicy(**{k: _option(cfg, k, v) for k, v in folder.items()}).check(PREFIX)
     if rows.select not in ("rarity", "question") and rows.share > 0:
         raise ValueError(f"ridgefill_select must be 'rarity' or 'question' on vLLM (got {rows.select!r})")
     if rows.by_question:
