@@ -78,7 +78,7 @@ class PlainErrors(TyperGroup):
 app = typer.Typer(help="RidgeFill: shorter prefill with closed-form ridge maps.", no_args_is_help=True, cls=PlainErrors)
 app.add_typer(eval_app, name="eval")
 Model = Annotated[str, typer.Option(help="model directory or hub id; 'default' = embedded SmolLM2-135M")]
-Source = Annotated[list[str], typer.Option(help="calibration text: 'pydoc', files/folders, or hf:name:split[:col]")]
+Source = Annotated[list[str], typer.Option(help="calibration text: pydoc, prose, files/folders or hf:name:split[:col]")]
 
 
 class _Stderr(logging.StreamHandler):
@@ -131,10 +131,13 @@ def capture(
     cap = steps.run_capture(
         lm,
         tok,
-        steps.CalibrationText(_source(source), window=window, max_windows=max_windows, heldout=heldout),
+        _source(source),
         splits,
-        root,
-        steps.CaptureOptions(checkpoint_seconds=checkpoint_seconds),
+        window=window,
+        max_windows=max_windows,
+        heldout=heldout,
+        root=root,
+        checkpoint_seconds=checkpoint_seconds,
     )
     typer.echo(f"capture: {cap.path} ({cap.meta['windows_done']} windows, splits {cap.splits})")
 
@@ -160,7 +163,11 @@ def fit(
         raise InputError(f"--split {split} was not captured in {capture_dir}: choose one of {cap.splits}, or recapture")
     lm, tok = steps.load_model(model)
     path = steps.build_maps(
-        steps.fit_report(lm, tok, cap, split, lam),
+        lm,
+        tok,
+        cap,
+        split,
+        lam,
         out,
         kind="identity" if identity else "ridge",
         defaults={"tail": rows.tail, "sink": rows.sink, "share": rows.share},
@@ -248,13 +255,11 @@ def demo(
     check_splits(splits, num_layers(model_config("default")))
     out = out or cache_root() / "maps"
     lm, tok = steps.load_model()
-    cap = steps.run_capture(
-        lm, tok, steps.CalibrationText("pydoc", window=window, max_windows=max_windows), splits, root
-    )
+    cap = steps.run_capture(lm, tok, "pydoc", splits, window=window, max_windows=max_windows, root=root)
     typer.echo(f"capture: {cap.path}")
     for s in splits:
         ridge, identity = steps.build_map_pair(
-            steps.fit_report(lm, tok, cap, s, lam), out / f"smollm2-S{s}-ridge", out / f"smollm2-S{s}-identity"
+            lm, tok, cap, s, lam, out / f"smollm2-S{s}-ridge", out / f"smollm2-S{s}-identity"
         )
         typer.echo(f"S={s}: {ridge} (identity baseline: {identity})")
         _print_table(json.loads((ridge / "ridgefill.json").read_text()))
