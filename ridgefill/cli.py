@@ -131,13 +131,10 @@ def capture(
     cap = steps.run_capture(
         lm,
         tok,
-        _source(source),
+        steps.CalibrationText(_source(source), window=window, max_windows=max_windows, heldout=heldout),
         splits,
-        window=window,
-        max_windows=max_windows,
-        heldout=heldout,
-        root=root,
-        checkpoint_seconds=checkpoint_seconds,
+        root,
+        steps.CaptureOptions(checkpoint_seconds=checkpoint_seconds),
     )
     typer.echo(f"capture: {cap.path} ({cap.meta['windows_done']} windows, splits {cap.splits})")
 
@@ -163,11 +160,7 @@ def fit(
         raise InputError(f"--split {split} was not captured in {capture_dir}: choose one of {cap.splits}, or recapture")
     lm, tok = steps.load_model(model)
     path = steps.build_maps(
-        lm,
-        tok,
-        cap,
-        split,
-        lam,
+        steps.fit_report(lm, tok, cap, split, lam),
         out,
         kind="identity" if identity else "ridge",
         defaults={"tail": rows.tail, "sink": rows.sink, "share": rows.share},
@@ -255,11 +248,13 @@ def demo(
     check_splits(splits, num_layers(model_config("default")))
     out = out or cache_root() / "maps"
     lm, tok = steps.load_model()
-    cap = steps.run_capture(lm, tok, "pydoc", splits, window=window, max_windows=max_windows, root=root)
+    cap = steps.run_capture(
+        lm, tok, steps.CalibrationText("pydoc", window=window, max_windows=max_windows), splits, root
+    )
     typer.echo(f"capture: {cap.path}")
     for s in splits:
         ridge, identity = steps.build_map_pair(
-            lm, tok, cap, s, lam, out / f"smollm2-S{s}-ridge", out / f"smollm2-S{s}-identity"
+            steps.fit_report(lm, tok, cap, s, lam), out / f"smollm2-S{s}-ridge", out / f"smollm2-S{s}-identity"
         )
         typer.echo(f"S={s}: {ridge} (identity baseline: {identity})")
         _print_table(json.loads((ridge / "ridgefill.json").read_text()))

@@ -10,6 +10,7 @@ from typing import Annotated
 import torch
 import typer
 
+from ridgefill.engines import ENGINES
 from ridgefill.inputs import check_rows
 from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan
@@ -76,7 +77,7 @@ def ruler(
 ) -> None:
     """RULER tasks on exact and the plan (and identity fill), scored overall and by needle region."""
     from ridgefill.evals.ruler import TASKS, load_haystack
-    from ridgefill.evals.ruler_run import run_ruler, table
+    from ridgefill.evals.ruler_run import Cells, run_ruler, table
 
     lm, tok, ms = _load(model, maps)
     plan = _plan(ms, mode, split, sink, tail, share)
@@ -86,7 +87,7 @@ def ruler(
             "identity", plan.split, rows=ROWS.given(sink=plan.rows.sink, tail=plan.rows.tail)
         )
     hay = load_haystack(haystack[0] if len(haystack) == 1 else haystack)
-    result = run_ruler(lm, tok, plans, task or list(TASKS), length, hay, samples, seed)
+    result = run_ruler(lm, tok, plans, Cells(task or list(TASKS), length, hay, samples, seed))
     result["config"] = {
         "model": model,
         "maps": str(maps) if maps else None,
@@ -176,12 +177,15 @@ def ttft(
     from ridgefill.evals.ttft import paired_ttft, random_prompt, transformers_engine
 
     check_rows(ROWS, sink=sink, tail=tail, share=share, window=window, reach=reach)  # before a model or engine loads
-    if engine == "transformers":
+    kind = ENGINES.get(engine)
+    if kind is None:
+        raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
+    if not kind.serving:
         lm, tok, ms = _load(model, maps)
         plan = _plan(ms, mode, split, sink, tail, share, window=window, reach=reach)
         plan = replace(plan, rows=plan.rows.given(select=select))
         run = transformers_engine(lm)
-    elif engine == "vllm":
+    else:
         if maps is None:
             raise typer.BadParameter("the vllm engine serves a map folder: give --maps", param_hint="--maps")
         from ridgefill.steps import model_path
@@ -201,10 +205,8 @@ def ttft(
         plan = replace(
             plan, rows=plan.rows.given(select=select, **({"window": q.window, "reach": q.reach} if q else {}))
         )
-    else:
-        raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     result = {}
-    count = (lambda: counters(llm)) if engine == "vllm" else (lambda: None)
+    count = (lambda: counters(llm)) if kind.serving else (lambda: None)
     typer.echo("| tokens | exact median s | fill median s | speed-up | 95% CI |\n|---|---|---|---|---|")
     for n in length:
         ids = random_prompt(tok.vocab_size, n)
