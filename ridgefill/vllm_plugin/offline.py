@@ -31,11 +31,13 @@ def make_llm(
     gpu_memory_utilization: float | None = None,
     enforce_eager: bool = True,
     chunked_prefill: bool = True,
+    engine_args: dict | None = None,
 ):
     """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them.
     `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU).
     `chunked_prefill=False`: a prompt waits for a step with room for all of it instead of being split (the
-    tuner's question-selector trials: every prompt on the one-step path)."""
+    tuner's question-selector trials: every prompt on the one-step path). `engine_args`: more of vLLM's own
+    engine arguments (e.g. num_gpu_blocks_override, to force preemption in a test)."""
     import torch
 
     # vLLM's own variables (vLLM reads them only from the environment), for the in-process engine this makes;
@@ -66,6 +68,7 @@ def make_llm(
         tensor_parallel_size=tensor_parallel_size,
         **({} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}),
         hf_overrides=overrides or None,
+        **(engine_args or {}),
     )
 
 
