@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
             for on in (r % 2 == 0, r % 2 == 1):
                 state.enabled = on
                 (ridge if on else stock).append(per_token(llm, prompts, args.tokens))
+            report["partial"] = {"batch": batch, "stock_s": stock, "ridgefill_s": ridge}  # a run cut short keeps these
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+        report.pop("partial")
         lo, hi = ratio_ci(stock, ridge)
         report["batches"][str(batch)] = {
             "stock_s_per_token": statistics.median(stock),
@@ -89,7 +93,6 @@ def main(argv: list[str] | None = None) -> dict:
             "stock_s": stock,
             "ridgefill_s": ridge,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
         row = report["batches"][str(batch)]
         print(f"batch {batch}: stock/RidgeFill per step {row['stock_over_ridgefill']:.3f} [{lo:.3f}, {hi:.3f}]")
