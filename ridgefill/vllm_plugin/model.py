@@ -99,7 +99,15 @@ class ServeState:
     def release(self, req_id: str) -> None:
         """The runner let a request go (finished or aborted): free what the classifier keeps for it now."""
         self.classifier.release(req_id)
-        self.counters.kept_prompts = len(self.classifier.kept)
+        self._gauge_kept()
+
+    def _gauge_kept(self) -> None:
+        """Update the kept-material gauge; with RIDGEFILL_LOG_EVERY=1 log each change, so that a server log's
+        last counter line holds the gauge as the server ends (worker processes may die before `atexit`)."""
+        kept, was = len(self.classifier.kept), self.counters.kept_prompts
+        self.counters.kept_prompts = kept
+        if kept != was and log_every() == 1:
+            log.info("%s", self.counters.line())
 
     def refuse(self, why: str) -> None:
         self.refused, self.enabled = why, False
@@ -122,7 +130,7 @@ class ServeState:
         """Warn once if a long prompt ran with zero bulk rows."""
         self.counters.question_exact = self.classifier.exact_prompts
         self.counters.question_capped = self.classifier.capped_prompts
-        self.counters.kept_prompts = len(self.classifier.kept)
+        self._gauge_kept()
         why = self.classifier.inert
         if why and not self.warned_inert:
             self.warned_inert = True
