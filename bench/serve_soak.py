@@ -170,7 +170,7 @@ def start_server(model_dir: Path, maps: Path | None, options: dict, blocks: int,
     return proc, handle
 
 
-def wait_up(url: str, proc, log: Path, limit_s: float = 300) -> None:
+def wait_up(url: str, proc, log: Path, limit_s: float = 480) -> None:
     import httpx
 
     deadline = time.monotonic() + limit_s
@@ -376,6 +376,8 @@ def soak(args) -> dict:
     run = serve(model_dir, maps, options, jobs, args, logs / f"ridgefill-{args.select}.log")
     report["ridgefill"] = summary(run)
     report["checks"] = check(run, jobs, references(model_dir, maps, jobs, rows), True, args.select, args.rss_mib)
+    if args.out:  # what is measured so far survives a stopped run
+        args.out.write_text(json.dumps(report, indent=1))
     if args.stock:
         stock = serve(model_dir, None, {}, jobs, args, logs / "stock.log")
         report["stock"] = summary(stock)
