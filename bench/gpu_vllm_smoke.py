@@ -192,8 +192,8 @@ def topk_compare(stock: list[dict], other: list[dict], tol: float) -> dict:
                 near = str(tb) in da and abs(da[str(ta)] - da[str(tb)]) <= tol
                 flips.append({"request": r, "step": step, "near_tie": near})
                 break  # the paths part: later steps condition on different tokens
-    ok = gap <= tol and all(f["near_tie"] for f in flips)
-    return {"ok": ok, "max_topk_gap": gap, "flips": flips, "tol": tol}
+    passed = gap <= tol and all(f["near_tie"] for f in flips)
+    return {"passed": passed, "max_topk_gap": gap, "flips": flips, "tol": tol}
 
 
 def max_gap(a: list[dict], b: list[dict]) -> float:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     cmp, pc = topk_compare(s["results"], p["results"], tol), p["counters"]
     check(
         "plumb equals stock (chunked, several requests, a decode in a filled step)",
-        cmp["ok"] and pc["bulk_steps"] > 0 and pc["mixed_steps"] > 0,
+        cmp["passed"] and pc["bulk_steps"] > 0 and pc["mixed_steps"] > 0,
         **cmp, counters=pc,
     )  # fmt: skip
     differs = [a["tokens"] for a in stock_b["results"]] != [b["tokens"] for b in ridge_b["results"]] or (
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     decode_graphs = graphs["cudagraph_mode"] == "FULL_DECODE_ONLY" and not graphs["enforce_eager"] if cuda else True
     check(
         "graphs asked for: plumb still equals stock, counters above 0, decode graphs on CUDA",
-        cmp["ok"] and p["counters"]["bulk_steps"] > 0 and decode_graphs,
+        cmp["passed"] and p["counters"]["bulk_steps"] > 0 and decode_graphs,
         **cmp, cudagraph_mode=graphs["cudagraph_mode"], compilation_mode=graphs["compilation_mode"],
     )  # fmt: skip
     cached, limit = [r["cached_tokens"] for r in cache_b["results"]], len(long1) - tail

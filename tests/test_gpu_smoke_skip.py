@@ -41,12 +41,12 @@ def test_plumb_comparison_reports_flips_and_tolerates_only_near_ties():
     stock = [_result([1, 2], [{1: -0.50, 3: -0.52}, {2: -0.1}]), _result([5], [{5: -0.2, 6: -3.0}])]
     same = [_result([1, 2], [{1: -0.51, 3: -0.52}, {2: -0.1}]), _result([5], [{5: -0.2, 6: -3.0}])]
     cmp = gpu_vllm_smoke.topk_compare(stock, same, tol=0.05)
-    assert cmp["ok"] and cmp["flips"] == [] and cmp["max_topk_gap"] == pytest.approx(0.01)
+    assert cmp["passed"] and cmp["flips"] == [] and cmp["max_topk_gap"] == pytest.approx(0.01)
     near = [_result([3, 9], [{3: -0.49, 1: -0.52}, {9: -0.1}]), same[1]]  # 3 vs 1: stock 0.02 apart
     cmp = gpu_vllm_smoke.topk_compare(stock, near, tol=0.05)
-    assert cmp["ok"] and cmp["flips"] == [{"request": 0, "step": 0, "near_tie": True}]
+    assert cmp["passed"] and cmp["flips"] == [{"request": 0, "step": 0, "near_tie": True}]
     far = [same[0], _result([6], [{6: -0.1, 5: -0.3}])]  # 6 vs 5: stock 2.8 apart
     cmp = gpu_vllm_smoke.topk_compare(stock, far, tol=0.05)
-    assert not cmp["ok"] and cmp["flips"] == [{"request": 1, "step": 0, "near_tie": False}]
+    assert not cmp["passed"] and cmp["flips"] == [{"request": 1, "step": 0, "near_tie": False}]
     drift = [_result([1, 2], [{1: -0.7, 3: -0.52}, {2: -0.1}]), same[1]]  # no flip, a gap over tol
-    assert not gpu_vllm_smoke.topk_compare(stock, drift, tol=0.05)["ok"]
+    assert not gpu_vllm_smoke.topk_compare(stock, drift, tol=0.05)["passed"]
