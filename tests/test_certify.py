@@ -221,7 +221,8 @@ def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer
     params = Params(2, 1e-3, ROWS.given(tail=8, share=0.0, sink=4))
     t = objectives.certified_ttft(model, tokenizer, params, str(folder), cfg, 1.1)
     assert t["engine"] == "transformers" and "vLLM is not installed" in t["note"]
-    assert 2 <= t["rounds"] <= 3 and t["lo"] <= t["speedup"] <= t["hi"] and t["predicted"] == 1.1
+    cap = 6 if t["remeasured"] else 3  # a point estimate above the bound is timed again with twice the rounds
+    assert 2 <= t["rounds"] <= cap and t["lo"] <= t["speedup"] <= t["hi"] and t["predicted"] == 1.1
     assert t["bound"] > 1.0 and t["valid"] == (t["lo"] <= t["bound"])
     assert certify.ttft_line(t).startswith("certified TTFT ") and "transformers" in certify.ttft_line(t)
 

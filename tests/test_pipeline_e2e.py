@@ -87,9 +87,13 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     assert _task_states(env, runs[1]["id"], "exact_ruler") == ["Cached", "Cached"]  # the objective's and certify's
     assert _task_states(env, runs[1]["id"], "run_trial") == []  # the budget was spent by the first run
 
-    _, trials = query(db, "SELECT trial, state, split, lam, ruler_delta, speedup FROM trials ORDER BY trial")
+    _, trials = query(
+        db, "SELECT trial, state, split, lam, ruler_delta, speedup, speedup_source FROM trials ORDER BY trial"
+    )
     assert [t[:2] for t in trials] == [(0, "COMPLETE"), (1, "COMPLETE")]
-    assert all(t[5] > 0 for t in trials)
+    # every trial's speed-up was measured and recorded; a 1-repeat timing at 256 tokens on a loaded machine may
+    # land above its FLOP bound twice, and is then recorded invalid with no speed-up (never used), as it should
+    assert all((t[5] > 0 and t[6] == "measured") or (t[5] is None and t[6] == "invalid") for t in trials)
     _, metrics = query(db, "SELECT count(*) FROM metrics WHERE kind = 'ruler' AND trial >= 0")
     assert metrics[0][0] >= 2
     _, pareto = query(db, "SELECT trial FROM pareto")
