@@ -32,6 +32,7 @@ from ridgefill.vllm_plugin import patches, register  # noqa: E402
 from ridgefill.vllm_plugin.batch import RowClassifier  # noqa: E402
 from ridgefill.vllm_plugin.patches import PATCHES  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
+from tests.test_vllm_runner import _Model, _state  # noqa: E402  (the hooked runner's fake model)
 
 SPLIT = 3
 POLICY_LINE = "cudagraph_mode FULL_DECODE_ONLY"
@@ -236,39 +237,22 @@ def _runner(reqs, raw, wrapper):
     return runner
 
 
-class _Called:
-    """Records whether it was called and which rows the model's state held then."""
-
-    def __init__(self, state):
-        self.ridgefill, self.calls = state, []
-
-    def __call__(self, **kw):
-        self.calls.append(self.ridgefill.rows)
-        return "out"
-
-
-def _state(classifier):
-    from ridgefill.vllm_plugin.model import ServeState
-
-    return ServeState(maps=None, mode="ridge", classifier=classifier, kv={})
-
-
 def test_decode_steps_replay_graphs_and_ridgefill_steps_run_past_the_wrapper():
     """Decode-only: the classifier returns None, the graph wrapper runs (a replay). A step with bulk rows, even
     one of one-token chunks that vLLM's dispatcher takes for a uniform decode, calls the model itself."""
     classifier = RowClassifier(RowPolicy(SINK, TAIL, 0.0), None)
     state = _state(classifier)
-    raw, wrapper = _Called(state), _Called(state)
+    raw, wrapper = _Model(state), _Model(state)
     prompt = np.arange(100, 300)
     decodes = _runner([("a", prompt, 200, 1), ("b", prompt[:50], 60, 1)], raw, wrapper)
     GPUModelRunner._model_forward(decodes, torch.zeros(2), torch.arange(2))
-    assert wrapper.calls == [None] and raw.calls == []
+    assert wrapper.seen == [None] and raw.seen == []
     one_token_chunks = _runner([("c", prompt, 40, 1), ("d", prompt[:50], 60, 1)], raw, wrapper)  # c: bulk row 40
     GPUModelRunner._model_forward(one_token_chunks, torch.zeros(2), torch.arange(2))
-    assert len(raw.calls) == 1 and raw.calls[0].any_bulk and len(wrapper.calls) == 1
+    assert len(raw.seen) == 1 and raw.seen[0].any_bulk and len(wrapper.seen) == 1
     tail_only = _runner([("e", prompt, 190, 10)], raw, wrapper)  # tail rows only: stock, graphs allowed
     GPUModelRunner._model_forward(tail_only, torch.zeros(10), torch.arange(10))
-    assert len(wrapper.calls) == 2 and not wrapper.calls[1].any_bulk and len(raw.calls) == 1
+    assert len(wrapper.seen) == 2 and not wrapper.seen[1].any_bulk and len(raw.seen) == 1
     assert state.rows is None  # only for the step
 
 
