@@ -206,6 +206,27 @@ def test_the_card_carries_only_the_certified_ttft(chosen, tiny_models, tokenizer
     assert all(x["value"] != pytest.approx(1.3) for r in index for x in r["metrics"] if r["dataset"]["type"] == "ttft")
 
 
+def test_the_card_never_claims_a_speed_up_above_its_flop_bound(chosen, tiny_models, tokenizer):
+    """An estimate above the bound whose CI still reaches it (1.38x [1.30, 1.45] against 1.36x) passes the
+    certificate, but the card claims the bound, its CI stops there, and the raw measurement is shown as such;
+    mutation: cards that print the estimate put 1.38x above the bound on the model-index."""
+    db, folder = chosen
+    block = ttft_block(1.38, 1.36, lo=1.30, hi=1.45)
+    cert = certify.with_ttft(cert_of(GOOD, trial=2), block)
+    assert cert["passed"] and cert["ttft"]["valid"]
+    with Recorder(db) as rec:
+        pub = certify.gate(rec, cert, _publish(db, folder))
+    card = ModelCard.load(pull(pub.repo_id, "smol", tiny_models["llama"], tokenizer).path / "README.md")
+    [entry] = [r for r in card.data.to_dict()["model-index"][0]["results"] if r["dataset"]["type"] == "ttft"]
+    m = {x["name"]: x for x in entry["metrics"]}
+    assert m["certified"]["value"] == pytest.approx(1.36) and m["certified"]["value"] <= m["flop_bound"]["value"]
+    assert m["certified"]["args"]["ci95"] == [pytest.approx(1.30), pytest.approx(1.36)]
+    assert m["certified_ci95_high"]["value"] <= m["flop_bound"]["value"]
+    assert entry["dataset"]["args"]["capped_at_flop_bound"] and entry["dataset"]["args"]["measured"] == 1.38
+    assert "**1.360x** [1.300, 1.360]" in card.text and "1.380x [1.300, 1.450], lies above the FLOP bound" in card.text
+    assert "| 2048 | 1.360x [1.300, 1.360] (measured 1.380x [1.300, 1.450]) | 9 | 1.360x |" in card.text
+
+
 def test_certified_ttft_times_the_map_paired_on_an_engine(tiny_models, tokenizer, tmp_path, monkeypatch):
     """A real paired timing of a map folder on the transformers runtime (vLLM stands aside here): rounds between
     the study's repeats and cap, a CI around the ratio, the FLOP bound and the prediction beside it."""
