@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ridgefill.adapters import adapter_for
 from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
@@ -301,7 +302,7 @@ def selector_grid(specs: list[str]) -> list[tuple]:
 
 def coverage(args, model, tok, lengths, counts) -> None:
     """Share of needle rows each selector protects at `--share` (one early pass per prompt, no decoding)."""
-    maps = load_maps(args.maps, model, tok)
+    maps, ad = load_maps(args.maps, model, tok), adapter_for(model)
     hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
     tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
     grid = args.grid
@@ -320,7 +321,7 @@ def coverage(args, model, tok, lengths, counts) -> None:
                     knobs = dict(query=q, window=w, score_layers=layers, reach=reach) if select == "question" else {}
                     rows = RowPolicy(args.sink, args.tail - 1, args.share, select, **knobs)
                     plan = FillPlan("ridge", maps=maps, rows=rows)
-                    attention = question_scores(model, early, plan) if select == "question" else None
+                    attention = question_scores(ad, early, plan) if select == "question" else None
                     keep = protected_rows(ids, plan, attention)
                     spans = [(s, e) for s, e in x.needle_spans if s < ids.shape[1] - plan.rows.tail]
                     row = {"task": task, "length": length, "index": index, "select": select, "query": q,

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from ridgefill.adapters import adapter_for
-from ridgefill.adapters.base import rope
+from ridgefill.adapters.base import LlamaAdapter
 from ridgefill.maps import MapSet
 from ridgefill.rows import (
     ROWS,
@@ -115,7 +115,7 @@ def prefill(model: nn.Module, input_ids: Tensor, plan: FillPlan, early: EarlyPas
     if plan.mode == "exact" or bool(keep.all()):
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         return Prefill(out.past_key_values, out.logits[0, -1], torch.ones_like(keep))
-    return _ridgefill(model, input_ids, plan, None if late_choice else keep, early)
+    return _ridgefill(adapter_for(model), input_ids, plan, None if late_choice else keep, early)
 
 
 @torch.inference_mode()
@@ -125,12 +125,16 @@ def early_pass(model: nn.Module, input_ids: Tensor, split: int, query: int = 64,
     Plans of this split (and `query` / `score_layers` no larger than given) can then prefill from it
     with `prefill(..., early=...)`, paying the early layers once (e.g. when several plans are compared).
     """
-    ad = adapter_for(model)
+    return _early_pass(adapter_for(model), input_ids, split, query, score_layers)
+
+
+def _early_pass(ad: LlamaAdapter, input_ids: Tensor, split: int, query: int, score_layers: int) -> EarlyPass:
+    """`early_pass` on the model's adapter (looked up once per prefill by its caller)."""
     if not 0 < split < ad.num_layers:
         raise ValueError(f"split must lie in 1..{ad.num_layers - 1}, got {split}")
     n = input_ids.shape[1]
     pos = torch.arange(n, device=input_ids.device)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=ad.config)
     h = ad.embed(input_ids)
     cos, sin = ad.rotary(h, pos)
     q = min(query, n)
@@ -144,22 +148,21 @@ def early_pass(model: nn.Module, input_ids: Tensor, split: int, query: int = 64,
 
 
 def _ridgefill(
-    model: nn.Module, input_ids: Tensor, plan: FillPlan, keep: Tensor | None, early: EarlyPass | None = None
+    ad: LlamaAdapter, input_ids: Tensor, plan: FillPlan, keep: Tensor | None, early: EarlyPass | None = None
 ) -> Prefill:
     """RidgeFill prefill; `keep` None means: choose the protected rows from the early pass's attention."""
-    ad = adapter_for(model)
     n = input_ids.shape[1]
     pos = torch.arange(n, device=input_ids.device)
     if early is None:
-        early = early_pass(model, input_ids, plan.split, plan.rows.query if keep is None else 1, plan.rows.score_layers)
+        early = _early_pass(ad, input_ids, plan.split, plan.rows.query if keep is None else 1, plan.rows.score_layers)
     elif early.split != plan.split or not torch.equal(early.input_ids, input_ids):
         raise ValueError("the early pass is of another prompt or split")
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=ad.config)
     for idx, (k, v) in enumerate(early.kv):
         cache.update(k, v, idx)  # shared tensors: the cache only ever concatenates onto them
     h, cos, sin = early.hidden, early.cos, early.sin
     if keep is None:
-        keep = protected_rows(input_ids, plan, question_scores(model, early, plan))
+        keep = protected_rows(input_ids, plan, question_scores(ad, early, plan))
 
     prot, bulk = keep.nonzero().squeeze(-1), (~keep).nonzero().squeeze(-1)
     x_prot, split_bulk = h[:, prot], h[:, bulk]
@@ -182,10 +185,10 @@ def _ridgefill(
 
 
 @torch.inference_mode()
-def question_scores(model: nn.Module, early: EarlyPass, plan: FillPlan) -> Tensor:
+def question_scores(ad: LlamaAdapter, early: EarlyPass, plan: FillPlan) -> Tensor:
     """Attention [n] that the prompt's last `plan.rows.query` rows pay each row, summed over heads, query rows and
-    the `plan.rows.score_layers` exact layers below the split (the "question" selector's scores, before pooling)."""
-    ad = adapter_for(model)
+    the `plan.rows.score_layers` exact layers below the split (the "question" selector's scores, before pooling).
+    `ad`: the model's adapter (`adapter_for`), passed so that a prefill looks it up once."""
     n = early.input_ids.shape[1]
     attention = torch.zeros(n, device=early.input_ids.device)
     for idx in range(plan.split - plan.rows.score_layers, plan.split):
@@ -199,12 +202,14 @@ def question_scores(model: nn.Module, early: EarlyPass, plan: FillPlan) -> Tenso
     return attention
 
 
-def _question_attention(ad, layer: nn.Module, h_q: Tensor, cos_q: Tensor, sin_q: Tensor, k: Tensor) -> Tensor:
+def _question_attention(
+    ad: LlamaAdapter, layer: nn.Module, h_q: Tensor, cos_q: Tensor, sin_q: Tensor, k: Tensor
+) -> Tensor:
     """Attention [n] that query rows h_q [1, q, d] (the last q prompt rows) pay every row, summed over
     heads and query rows; k [1, kv_heads, n, hd] are the layer's roped keys. Only q x n scores are formed.
     """
-    qh = rope(ad.queries(layer, layer.input_layernorm(h_q)).transpose(1, 2), cos_q, sin_q)  # [1, H, q, hd]
-    return question_attention(qh[0], k[0], layer.self_attn.scaling)
+    qh = ad.roped_queries(layer, h_q, cos_q, sin_q)  # [1, H, q, hd]
+    return question_attention(qh[0], k[0], ad.scaling(layer))
 
 
 def _predict(plan: FillPlan, idx: int, split_bulk: Tensor) -> Tensor:

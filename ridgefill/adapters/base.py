@@ -50,6 +50,14 @@ class LlamaAdapter:
     def queries(self, layer: nn.Module, normed: Tensor) -> Tensor:
         return self._heads(layer.self_attn.q_proj(normed))
 
+    def roped_queries(self, layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """A layer's queries of its input rows [1, n, d] (norm, projection, RoPE): [1, heads, n, head_dim]."""
+        return rope(self.queries(layer, layer.input_layernorm(hidden)).transpose(1, 2), cos, sin)
+
+    def scaling(self, layer: nn.Module) -> float:
+        """The scale a layer's attention applies to q.k (the family's, e.g. 1/sqrt(head_dim))."""
+        return layer.self_attn.scaling
+
     def write_kv(self, layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """The cache writer: a layer's input rows [1, n, d] -> K, V shaped [1, kv_heads, n, head_dim]."""
         normed = layer.input_layernorm(hidden)
@@ -61,11 +69,9 @@ class LlamaAdapter:
         self, layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, mask: Tensor
     ) -> Tensor:
         """Run the whole layer on some rows [1, p, d] against all K/V; mask [p, n] is True where allowed."""
-        normed = layer.input_layernorm(hidden)
-        q = self.queries(layer, normed).transpose(1, 2)
-        q = rope(q, cos, sin)
+        q = self.roped_queries(layer, hidden, cos, sin)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=layer.self_attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            q, k, v, attn_mask=mask, scale=self.scaling(layer), enable_gqa=self.num_heads != self.num_kv_heads
         )
         out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)
         hidden = hidden + layer.self_attn.o_proj(out)
