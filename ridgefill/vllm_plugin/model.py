@@ -14,6 +14,7 @@ import atexit
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -167,108 +168,72 @@ def kv_shard(t: Tensor, num_kv_heads: int, head_dim: int) -> Tensor:
     return t.narrow(0, start, per * head_dim)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """What `_ridgefill_setup` accepted, waiting for the weights: the raw k/v weights and the anchors stream by
+    in `load_weights`, and only then can `_ridgefill_activate` serve the maps."""
+
+    maps: MapSet  # verified, on the CPU
+    fingerprint: dict  # the model's, without the weight anchors
+    policy: RowPolicy
+    mode: str
+    hf_config: Any
+    dtype: torch.dtype
+    prefix_caching: bool
+
+
 class RidgeFillMixin:
     """Adds map loading, checkpoint k/v capture and the RidgeFill forward to a vLLM causal LM."""
 
     def _ridgefill_setup(self, vllm_config) -> None:
         self.ridgefill: ServeState | None = None
-        self._rf_pending: tuple[MapSet, dict] | None = None  # maps and the fingerprint so far
-        mc = vllm_config.model_config
-        cfg = mc.hf_config
-        path = maps_path(cfg)
-        if not path:
-            log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
-            return
-        why = PATCHES.why_not() or unsupported(vllm_config)
-        if why:
-            log.warning("RidgeFill: %s; serving stock", why)
-            return
-        try:
-            from transformers import AutoTokenizer
-
-            maps = load_maps(path, device="cpu")
-            tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-            fp = fingerprint_from(cfg, tok, {}, maps.split)  # anchors follow once the weights stream by
-            errors, _ = compare(maps.manifest["model"], fp)
-            if errors:
-                raise MapError("maps do not match this model: " + "; ".join(errors))
-            self._rf_options = serve_options(cfg, maps.manifest)  # (row policy, mode)
-        except (MapError, OSError, ValueError) as e:
-            log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
-            return
-        self._rf_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self._rf_pending = (maps, fp)
-        self._rf_cfg = cfg
-        self._rf_dtype = mc.dtype
+        self._rf_pending: Pending | None = _pending(vllm_config)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        if self._rf_pending is None:
+        pending = self._rf_pending
+        if pending is None:
             return super().load_weights(weights)
-        maps, fp = self._rf_pending
-        anchors = set(anchor_names(maps.split, self._rf_cfg.num_hidden_layers))
+        anchors = set(anchor_names(pending.maps.split, pending.hf_config.num_hidden_layers))
         kept: dict[str, Tensor] = {}
 
         def tee(items):
             for name, t in items:
                 m = _KV.match(name)
-                if name in anchors or (m and int(m.group(1)) >= maps.split):
+                if name in anchors or (m and int(m.group(1)) >= pending.maps.split):
                     kept[name] = t.detach().to("cpu", copy=True)
                 yield name, t
 
         loaded = super().load_weights(tee(weights))
-        self._ridgefill_activate(maps, fp, kept)
+        self._ridgefill_activate(pending, kept)
         return loaded
 
-    def _ridgefill_activate(self, maps: MapSet, fp: dict, kept: dict[str, Tensor]) -> None:
-        cfg = self._rf_cfg
-        fp = fp | {"anchors": anchors(kept, maps.split, cfg.num_hidden_layers)}  # the tokenizer is hashed once
-        _, warnings = compare(maps.manifest["model"], fp)
-        for w in warnings:
+    def _ridgefill_activate(self, pending: Pending, kept: dict[str, Tensor]) -> None:
+        """Serve the maps once the weights are in: warn on anchors that differ, refuse a missing k/v weight or
+        an attention backend `backend.py` cannot write."""
+        maps, cfg = pending.maps, pending.hf_config
+        fp = pending.fingerprint | {"anchors": anchors(kept, maps.split, cfg.num_hidden_layers)}
+        for w in compare(maps.manifest["model"], fp)[1]:  # the tokenizer is hashed once, in `_pending`
             log.warning("RidgeFill: %s", w)
-        missing = [
-            i
-            for i in range(maps.split, cfg.num_hidden_layers)
-            if (f"model.layers.{i}.self_attn.k_proj.weight" not in kept)
-        ]
-        impl = type(self.model.layers[maps.split].self_attn.attn.impl).__name__
-        if missing or impl not in ATTENTION_IMPLS:
-            why = (
-                f"no raw k/v weights for layers {missing}" if missing else f"attention backend {impl} is not supported"
-            )
+        why = self._cannot_serve(pending, kept)
+        if why:
             log.warning("RidgeFill: %s; serving stock", why)
             return
         device = next(self.parameters()).device
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = {}
-        for name, t in kept.items():
-            m = _KV.match(name)
-            if m:
-                shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
-                kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, self._rf_dtype)
-        policy, mode = self._rf_options
-        classifier = RowClassifier(policy, maps.scores)
-        self.ridgefill = state = ServeState(maps.to(device, self._rf_dtype), mode, classifier, kv)
-        question = state.question
+        kv = _late_kv(pending, kept, device)
+        classifier = RowClassifier(pending.policy, maps.scores)
+        self.ridgefill = state = ServeState(maps.to(device, pending.dtype), pending.mode, classifier, kv)
         atexit.register(_log_at_exit, state)
-        log.info(
-            "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g (%s), mode %s, "
-            "prefix caching %s",
-            cfg.architectures[0],
-            getattr(cfg, "name_or_path", ""),
-            maps.path,
-            maps.split,
-            policy.sink,
-            policy.tail,
-            policy.share,
-            "rarity"
-            if question is None
-            else f"question: query {question.query}, window {question.window}, "
-            f"score_layers {question.score_layers}, reach {question.reach}",
-            mode,
-            ("filled blocks kept apart" if policy.share == 0 else "off for requests with bulk rows")
-            if self._rf_prefix_caching
-            else "off",
-        )
+        _log_active(pending)
+
+    def _cannot_serve(self, pending: Pending, kept: dict[str, Tensor]) -> str | None:
+        """Why the loaded model cannot serve its maps (a late layer's raw k weight missing, or the attention
+        backend), or None."""
+        split, layers = pending.maps.split, pending.hf_config.num_hidden_layers
+        missing = [i for i in range(split, layers) if f"model.layers.{i}.self_attn.k_proj.weight" not in kept]
+        if missing:
+            return f"no raw k/v weights for layers {missing}"
+        impl = type(self.model.layers[split].self_attn.attn.impl).__name__
+        return None if impl in ATTENTION_IMPLS else f"attention backend {impl} is not supported"
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         st = self.ridgefill
@@ -469,6 +434,77 @@ def _all_heads(attention: Tensor) -> Tensor:
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 
     return attention if get_tensor_model_parallel_world_size() == 1 else tensor_model_parallel_all_reduce(attention)
+
+
+def _pending(vllm_config) -> Pending | None:
+    """The map folder this engine is asked to serve, checked against the model's config and tokenizer (weights
+    follow in `load_weights`); None, with a warning saying why, when it serves stock."""
+    mc = vllm_config.model_config
+    cfg = mc.hf_config
+    path = maps_path(cfg)
+    if not path:
+        log.warning("RidgeFill: no map folder given (hf_overrides ridgefill_maps or RIDGEFILL_MAPS); serving stock")
+        return None
+    why = PATCHES.why_not() or unsupported(vllm_config)
+    if why:
+        log.warning("RidgeFill: %s; serving stock", why)
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        maps = load_maps(path, device="cpu")
+        tok = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        fp = fingerprint_from(cfg, tok, {}, maps.split)  # anchors follow once the weights stream by
+        errors, _ = compare(maps.manifest["model"], fp)
+        if errors:
+            raise MapError("maps do not match this model: " + "; ".join(errors))
+        policy, mode = serve_options(cfg, maps.manifest)
+    except (MapError, OSError, ValueError) as e:
+        log.warning("RidgeFill: refusing map folder %s: %s; serving stock", path, e)
+        return None
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    return Pending(maps, fp, policy, mode, cfg, mc.dtype, caching)
+
+
+def _late_kv(pending: Pending, kept: dict[str, Tensor], device: torch.device) -> dict[tuple[int, str, str], Tensor]:
+    """The raw k/v weights and biases of the late layers, this rank's shard, on the model's device and dtype
+    ((layer, "k" | "v", "weight" | "bias") -> tensor)."""
+    cfg = pending.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = {}
+    for name, t in kept.items():
+        m = _KV.match(name)
+        if m:
+            shard = kv_shard(t, cfg.num_key_value_heads, head_dim)
+            kv[(int(m.group(1)), m.group(2), m.group(3))] = shard.to(device, pending.dtype)
+    return kv
+
+
+def _log_active(pending: Pending) -> None:
+    """The one line that says RidgeFill serves this engine, and how."""
+    cfg, maps, policy = pending.hf_config, pending.maps, pending.policy
+    selector = "rarity"
+    if policy.by_question:
+        selector = (
+            f"question: query {policy.query}, window {policy.window}, "
+            f"score_layers {policy.score_layers}, reach {policy.reach}"
+        )
+    caching = "off"
+    if pending.prefix_caching:
+        caching = "filled blocks kept apart" if policy.share == 0 else "off for requests with bulk rows"
+    log.info(
+        "RidgeFill: active on %s (%s): maps %s, split %d, sink %d, tail %d, share %g (%s), mode %s, prefix caching %s",
+        cfg.architectures[0],
+        getattr(cfg, "name_or_path", ""),
+        maps.path,
+        maps.split,
+        policy.sink,
+        policy.tail,
+        policy.share,
+        selector,
+        pending.mode,
+        caching,
+    )
 
 
 class RidgeFillLlamaForCausalLM(RidgeFillMixin, LlamaForCausalLM):
