@@ -36,7 +36,7 @@ QUESTION = {"share": 0.15, "select": "question", "query": 16, "window": 2, "scor
 
 def _spy(classifier, trace: list) -> None:
     """Record, for every step the classifier sees, each scheduled request's (id, start, tokens, prompt length)
-    and the StepRows object (read after the forward, which may protect more rows)."""
+    and the StepRows object as classified (the question's choice in the forward makes a new one)."""
     classify = classifier.classify
 
     def spied(req_ids, qsl, computed, plens, *args, **kwargs):

@@ -7,23 +7,25 @@ is by absolute position, so it holds for any chunk size, for several requests an
 batch (a decode row is never bulk).
 
 With the question selector a prompt's share is known only once its question (its last rows) has run
-layers 0..S-1. A prompt scheduled whole is chosen in its one step. A prompt chunked over several steps
-is filled in its earlier chunks (every row past the sink bulk, the tail's too) while the forward keeps
-what its last chunk needs (`Kept`); the last chunk chooses the share over the whole prompt and runs the
-chosen rows of earlier chunks through the late layers again, exactly (`Question`, `with_rows_before`).
+layers 0..S-1: the classifier lists each step of a question prompt (`Question`) and protects what
+`question.QuestionSelector.admit` says; the forward then chooses, into a new `StepRows`
+(`StepRows.with_protected`, `StepRows.with_rows_before`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ridgefill import settings
 from ridgefill.rows import RowPolicy, protected_mask
+
+if TYPE_CHECKING:
+    from ridgefill.vllm_plugin.question import Kept
 
 
 @dataclass(frozen=True)
@@ -43,24 +45,6 @@ class Question:
     @property
     def key(self) -> tuple[str, int]:
         return (self.req_id, self.plen)
-
-
-@dataclass
-class Kept:
-    """What the earlier chunks of a chunked question prompt leave for its last chunk, on the model's device.
-
-    `split`: the split stream h_S of every row so far, from which a row the question chooses later runs its
-    late layers exactly. `keys` / `queries`: per scored layer, the roped keys of those rows and the roped
-    queries of the question rows among them. Keys rather than layer inputs: the scoring needs nothing else
-    of an earlier row, they are no wider than the input (kv heads x head dim), and they are the very values
-    the unchunked path computes, so nothing is run twice; the paged cache holds them too, but in a
-    backend's layout. Freed when the prompt's last chunk has run or the request leaves the batch.
-    """
-
-    next: int = 0  # the position the next chunk starts at
-    split: list[Tensor] = field(default_factory=list)  # [rows, d] per chunk
-    keys: list[list[Tensor]] = field(default_factory=list)  # [layer][chunk] -> [rows, kv heads * head dim]
-    queries: list[list[Tensor]] = field(default_factory=list)  # [layer][chunk] -> [question rows, heads * hd]
 
 
 @dataclass
@@ -89,6 +73,21 @@ class StepRows:
             self.cache["indices"] = tuple(to_device(t, device) for t in host)
         return self.cache["indices"]
 
+    def with_protected(self, protected: Tensor) -> StepRows:
+        """This step with another protected mask (the question's choice): new runs, no stale metadata."""
+        runs = _runs(protected.numpy(), self.req_of_token.numpy(), self.positions.numpy())
+        rows = (self.num_tokens, protected, self.req_of_token, self.positions, runs)
+        return StepRows(*rows, decodes=self.decodes, questions=self.questions)
+
+    def with_rows_before(self, req: Tensor, positions: Tensor) -> StepRows:
+        """This step with protected rows of earlier chunks (request index [e], position [e]) placed before its
+        tokens: the rows a question's last step attends for (its choice among earlier chunks, then its own)."""
+        protected = torch.cat([torch.ones(req.shape[0], dtype=torch.bool), self.protected])
+        req_of_token = torch.cat([req, self.req_of_token])
+        positions = torch.cat([positions, self.positions])
+        runs = _runs(protected.numpy(), req_of_token.numpy(), positions.numpy())
+        return StepRows(self.num_tokens + req.shape[0], protected, req_of_token, positions, runs)
+
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:
     """A host tensor on `device`; to a GPU through pinned memory so the copy does not wait for the stream."""
@@ -98,20 +97,35 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 class RowClassifier:
-    """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps."""
+    """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps; with the
+    question selector, asks it (`selector`) which of a question prompt's rows a step protects."""
 
     def __init__(self, policy: RowPolicy, scores: Tensor | None, max_kept: int | None = None) -> None:
+        from ridgefill.vllm_plugin.question import QuestionSelector  # question.py builds on this module
+
         self.policy, self.scores = policy, scores
-        self.max_kept = settings.max_kept() if max_kept is None else max_kept  # chunked prompts keeping material
-        self.capped: set[tuple[str, int]] = set()  # question prompts run exact because max_kept were under way
-        self.capped_prompts = 0  # such prompts, counted once each as their first chunk is classified
         self.question = policy.by_question  # the share is picked in the forward, from the question's attention
-        self.kept: dict[tuple[str, int], Kept] = {}  # question prompts under way over several steps
-        self.exact: set[tuple[str, int]] = set()  # question prompts that run exact (see classify)
-        self.exact_prompts = 0  # question prompts run exact, counted as their prompt ends
+        self.selector = QuestionSelector(policy, max_kept)  # idle unless `question`
         self.masks: dict[tuple[str, int], np.ndarray] = {}  # (request, prompt length): a prompt may grow
         self.fill: dict[tuple[str, int], list[int]] = {}  # per prompt: [rows run between sink and tail, bulk]
         self.inert: str | None = None  # why a long prompt ran with zero bulk rows (first such prompt)
+
+    # the selector's state, read through the classifier (the gauge, the counters, the tests)
+    @property
+    def kept(self) -> dict[tuple[str, int], Kept]:
+        return self.selector.kept
+
+    @property
+    def max_kept(self) -> int:
+        return self.selector.max_kept
+
+    @property
+    def exact_prompts(self) -> int:
+        return self.selector.exact_prompts
+
+    @property
+    def capped_prompts(self) -> int:
+        return self.selector.capped_prompts
 
     def prompt_mask(self, req_id: str, prompt_ids: np.ndarray) -> np.ndarray:
         key = (req_id, len(prompt_ids))
@@ -143,9 +157,7 @@ class RowClassifier:
         protect only the sink: a tail row run there would attend filled K/V of rows the question may choose
         later, so the last step runs it again anyway. A prompt first seen past its start without kept
         material (its earlier chunks ran stock, or it grew: a streamed prompt) runs exact from there.
-        What a chunked prompt keeps lives while its request is `held` (the runner's requests: V1 drops a
-        running request from its batch for a step it does not schedule, and a prompt must survive that);
-        without `held`, while it is in the step's batch.
+        What a chunked prompt keeps lives while its request is `held` (`QuestionSelector.forget`).
         """
         n = len(req_ids)
         qsl = np.asarray(query_start_loc[: n + 1], dtype=np.int64)
@@ -168,8 +180,8 @@ class RowClassifier:
             protected[a:b] = np.where(p < plen, mask[np.minimum(p, plen - 1)], True)
             if self.question and plen > self.policy.sink + self.policy.tail:
                 q = Question(a, b, r, req_ids[r], plen, int(computed[r]), int(p[-1]) >= plen - 1)
-                protected[a:b] = self._question_rows(q, p, protected[a:b])
-                if q.key not in self.exact:
+                protected[a:b] = self.selector.admit(q, p, protected[a:b])
+                if self.selector.listed(q):
                     questions.append(q)
             self._track(req_ids[r], plen, p, protected[a:b])
         runs = _runs(protected, req_of_token, pos)
@@ -190,46 +202,15 @@ class RowClassifier:
             del self.masks[stale]
         for stale in [k for k in self.fill if k not in live]:
             del self.fill[stale]
-        ids = {req_id for req_id, _ in live}
-        held = ids if held is None else held
-        for stale in [k for k in self.kept if k not in live and (k[0] in ids or k[0] not in held)]:
-            del self.kept[stale]  # a request that ended (or was aborted) mid-prompt, or a prompt that grew
-        self.exact &= live
-        self.capped &= live
+        self.selector.forget(live, held)
 
     def release(self, req_id: str) -> None:
         """Drop all that is kept for a request the runner let go (finished or aborted) at once: the next step
         that runs the model, where `_forget` would drop it, may be long in coming on an idle server."""
-        for kept in (self.kept, self.masks, self.fill):
+        for kept in (self.masks, self.fill):
             for key in [k for k in kept if k[0] == req_id]:
                 del kept[key]
-        self.exact = {k for k in self.exact if k[0] != req_id}
-
-    def _question_rows(self, q: Question, pos: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The protected rows of a question prompt's tokens in this step, before the forward's choice."""
-        if q.start == 0:  # a new prompt, or one recomputed from its start (preemption): start afresh
-            self.exact.discard(q.key)
-            self.capped.discard(q.key)
-            self.kept.pop(q.key, None)
-            if not q.last and len(self.kept) >= self.max_kept:  # over the cap: exact, nothing kept
-                self.exact.add(q.key)
-                self.capped.add(q.key)
-                self.capped_prompts += 1
-            elif not q.last:
-                self.kept[q.key] = Kept()
-        elif q.key not in self.kept and q.key not in self.exact:
-            self.exact.add(q.key)
-        if q.key in self.exact:
-            self.exact_prompts += int(q.last)
-            return np.ones_like(mask)
-        return mask if q.last else pos < self.policy.sink
-
-    def run_exact(self, q: Question) -> None:
-        """The forward found nothing kept for a question prompt past its start (its earlier chunks ran stock):
-        it runs exact from here on (the forward protects this step's rows)."""
-        self.kept.pop(q.key, None)
-        self.exact.add(q.key)
-        self.exact_prompts += int(q.last)
+        self.selector.release(req_id)
 
     def _track(self, req_id: str, plen: int, pos: np.ndarray, protected: np.ndarray) -> None:
         """Note a prompt that ran rows between its sink and tail with none of them bulk (once its prompt is done)."""
@@ -243,10 +224,8 @@ class RowClassifier:
             why = "and the classifier protected them all"
             if self.policy.share >= 1:
                 why = "with share 1 (every row protected)"
-            elif (req_id, plen) in self.capped:
-                why = f"exactly: a chunked question prompt past the kept-material cap ({self.max_kept} under way)"
-            elif (req_id, plen) in self.exact:
-                why = "exactly: a question prompt first scheduled past its start, without its earlier chunks' rows"
+            else:
+                why = self.selector.why_exact((req_id, plen)) or why
             edges = f"sink {self.policy.sink} and tail {self.policy.tail}"
             self.inert = f"a {plen}-token prompt ran {seen[0]} rows between {edges} {why}"
 
@@ -295,22 +274,6 @@ def step_rows(runner, classifier: RowClassifier) -> StepRows | None:
         stock=PromptLogprobRequests(runner.requests),
         held=runner.requests,
     )
-
-
-def reclassify(rows: StepRows) -> None:
-    """After the forward changed `rows.protected` (question-selected rows): new runs, no stale metadata."""
-    rows.runs = _runs(rows.protected.numpy(), rows.req_of_token.numpy(), rows.positions.numpy())
-    rows.cache.clear()
-
-
-def with_rows_before(rows: StepRows, req: Tensor, positions: Tensor) -> StepRows:
-    """The step's rows with protected rows of earlier chunks (request index [e], position [e]) placed before
-    its tokens: the rows a question's last step attends for (its choice among earlier chunks, then its own)."""
-    protected = torch.cat([torch.ones(req.shape[0], dtype=torch.bool), rows.protected])
-    req_of_token = torch.cat([req, rows.req_of_token])
-    positions = torch.cat([positions, rows.positions])
-    runs = _runs(protected.numpy(), req_of_token.numpy(), positions.numpy())
-    return StepRows(rows.num_tokens + req.shape[0], protected, req_of_token, positions, runs)
 
 
 def bulk_rows(rows: StepRows) -> StepRows:

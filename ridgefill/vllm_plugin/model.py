@@ -5,7 +5,7 @@ from the predicted input through the layer's own norm, k/v projections (read raw
 vLLM repacks the fused CPU weights), k-norm and RoPE, and runs the whole layer on protected rows only,
 with attention over all K/V in the paged cache. Steps without bulk rows (decodes, exact tails) run
 the stock forward, unless they hold rows of a question prompt (select "question"): those always run
-here, to keep what the prompt's last chunk needs or to choose its share (`_question_rows`).
+here, to keep what the prompt's last chunk needs or to choose its share (`question.QuestionSelector`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,12 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from ridgefill.fingerprint import anchor_names, anchors, compare, fingerprint_from
 from ridgefill.maps import MapError, MapSet, load_maps
-from ridgefill.rows import RowPolicy, question_attention, question_mask
+from ridgefill.rows import RowPolicy, question_attention
 from ridgefill.vllm_plugin.backend import attend, write_kv, write_kv_at
-from ridgefill.vllm_plugin.batch import (
-    Kept,
-    Question,
-    RowClassifier,
-    StepRows,
-    bulk_rows,
-    reclassify,
-    to_device,
-    with_rows_before,
-)
+from ridgefill.vllm_plugin.batch import RowClassifier, StepRows, bulk_rows
 from ridgefill.vllm_plugin.config import maps_path, serve_options, unsupported
 from ridgefill.vllm_plugin.patches import PATCHES, log_every
+from ridgefill.vllm_plugin.question import Choice, EarlierRows, QuestionSelector, ScoredStep
 
 log = init_logger("vllm.ridgefill")
 _KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_proj\.(weight|bias)$")
@@ -57,7 +49,7 @@ class Counters:
     question_chunked: int = 0  # prompts whose share the question chose over several steps (chunked prefill)
     question_exact: int = 0  # question prompts run exact (first scheduled past their start, or capped: batch.py)
     question_late_rows: int = 0  # rows of earlier chunks the question chose, run through the late layers later
-    kept_prompts: int = 0  # a gauge, not a count: question prompts whose material (`batch.Kept`) is held now
+    kept_prompts: int = 0  # a gauge, not a count: question prompts whose material (`question.Kept`) is held now
     question_capped: int = 0  # chunked question prompts run exact: RIDGEFILL_MAX_KEPT prompts were keeping material
 
     def as_dict(self) -> dict[str, int]:
@@ -86,16 +78,15 @@ class ServeState:
     counters: Counters = field(default_factory=Counters)
     refused: str | None = None  # set once the runner hook found it cannot classify: stock for good
     warned_inert: bool = False
-    chosen: dict[str, list[int]] = field(default_factory=dict)  # request -> its question-protected positions
 
     @property
     def split(self) -> int:
         return self.maps.split
 
     @property
-    def question(self) -> RowPolicy | None:
-        """The row policy when its share is picked by the question's attention (select "question"), else None."""
-        return self.classifier.policy if self.classifier.question else None
+    def question(self) -> QuestionSelector | None:
+        """The question selector when the share is picked by the question's attention (select "question")."""
+        return self.classifier.selector if self.classifier.question else None
 
     def release(self, req_id: str) -> None:
         """The runner let a request go (finished or aborted): free what the classifier keeps for it now."""
@@ -105,7 +96,7 @@ class ServeState:
     def _gauge_kept(self) -> None:
         """Update the kept-material gauge; with RIDGEFILL_LOG_EVERY=1 log each change, so that a server log's
         last counter line holds the gauge as the server ends (worker processes may die before `atexit`)."""
-        kept, was = len(self.classifier.kept), self.counters.kept_prompts
+        kept, was = len(self.classifier.selector.kept), self.counters.kept_prompts
         self.counters.kept_prompts = kept
         if kept != was and log_every() == 1:
             log.info("%s", self.counters.line())
@@ -127,26 +118,25 @@ class ServeState:
         if c.bulk_steps % log_every() == 0:
             log.info("%s", c.line())
 
+    def count(self, choice: Choice) -> None:
+        """Count the prompts whose share the question chose in a step, and the earlier rows it ran again."""
+        c = self.counters
+        for q in choice.prompts:
+            if q.start == 0:
+                c.question_one_step += 1
+            else:
+                c.question_chunked += 1
+        c.question_late_rows += choice.late_rows
+
     def after_step(self) -> None:
         """Warn once if a long prompt ran with zero bulk rows."""
-        self.counters.question_exact = self.classifier.exact_prompts
-        self.counters.question_capped = self.classifier.capped_prompts
+        self.counters.question_exact = self.classifier.selector.exact_prompts
+        self.counters.question_capped = self.classifier.selector.capped_prompts
         self._gauge_kept()
         why = self.classifier.inert
         if why and not self.warned_inert:
             self.warned_inert = True
             log.warning("RidgeFill is inert: %s", why)
-
-
-@dataclass
-class EarlierRows:
-    """Rows of earlier chunks that a question's last step runs through the late layers, ahead of its own."""
-
-    x: Tensor  # [e, d] their split streams h_S, on the model's device
-    pos: Tensor  # [e] their positions, on the model's device
-    req: Tensor  # [e] their request index within the step (host)
-    host_pos: Tensor  # [e] their positions (host)
-    rows: StepRows  # the step's rows with these before them: the rows the late layers attend for
 
 
 def _log_at_exit(state: ServeState) -> None:
@@ -244,18 +234,41 @@ class RidgeFillMixin:
 
     # --- the RidgeFill forward -----------------------------------------------------------
     def _ridgefill_forward(self, input_ids: Tensor, positions: Tensor, st: ServeState, rows: StepRows) -> Tensor:
-        m, n = self.model, rows.num_tokens
+        n, selector = rows.num_tokens, st.question if rows.questions else None
         pos = positions[:n]
-        h, res = m.embed_input_ids(input_ids[:n]), None
-        scored = range(st.split - st.question.score_layers, st.split) if st.question and rows.questions else ()
-        inputs = {}  # layer -> its input stream, for the question's attention
-        for idx, layer in enumerate(m.layers[: st.split]):
-            if idx in scored:
-                inputs[idx] = h.clone() if res is None else h + res
-            h, res = layer(pos, h, res)
-        stream = h if res is None else h + res
-        early = self._question_rows(st, rows, inputs, stream, pos) if inputs else None
+        scored = range(st.split - selector.policy.score_layers, st.split) if selector else range(0)
+        stream, inputs = self._early_layers(input_ids[:n], pos, st.split, scored)
+        early = None
+        if inputs:  # question prompts: keep their material, or choose their share
+            layers = ScoredLayers([self.model.layers[idx] for idx in scored])
+            choice = selector.select(ScoredStep(rows, inputs, stream, pos, layers))
+            st.count(choice)
+            rows, early = choice.rows, choice.earlier
         st.record(rows)
+        out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
+        prot, x = self._late_layers(st, rows, stream, pos, early)
+        if prot.shape[0]:
+            out[prot] = self.model.norm(x)
+        return out
+
+    def _early_layers(self, input_ids: Tensor, pos: Tensor, split: int, scored: range) -> tuple[Tensor, list[Tensor]]:
+        """Layers 0..split-1 on every token: the split stream h_S, and the input stream of each `scored` layer
+        (what the question's attention is read from)."""
+        h, res = self.model.embed_input_ids(input_ids), None
+        inputs = []
+        for idx, layer in enumerate(self.model.layers[:split]):
+            if idx in scored:
+                inputs.append(h.clone() if res is None else h + res)
+            h, res = layer(pos, h, res)
+        return (h if res is None else h + res), inputs
+
+    def _late_layers(
+        self, st: ServeState, rows: StepRows, stream: Tensor, pos: Tensor, early: EarlierRows | None
+    ) -> tuple[Tensor, Tensor]:
+        """Layers S.. : bulk rows write K/V from their predicted input, protected rows (after the chosen rows of
+        earlier chunks, run from their kept h_S) run whole. Returns the protected token indices and their
+        final stream."""
+        m, n = self.model, rows.num_tokens
         prot, bulk = rows.indices(stream.device)
         x, pos_p, att = stream[prot], pos[prot], rows  # att: the rows attended for, in the order of x
         if early is not None:  # chosen rows of earlier chunks run first, from their kept h_S
@@ -273,7 +286,7 @@ class RidgeFillMixin:
                 bulk_in = x_bulk if st.mode == "plumb" else self._predict(st, idx, split_bulk)
                 key, value = self._write_rows(st, layer, idx, bulk_in, pos_b)
             if some:
-                q, k_p, v_p = self._qkv(layer, x, pos_p)
+                q, k_p, v_p = _qkv(layer, x, pos_p)
                 if e:  # their exact K/V overwrite the filled ones before any row of this layer attends
                     write_kv_at(attn, k_p[:e], v_p[:e], early.req, early.host_pos, att.cache)
                 k_p, v_p = k_p[e:], v_p[e:]
@@ -283,101 +296,11 @@ class RidgeFillMixin:
                     key, value = k_p, v_p
             write_kv(attn, key, value)
             if bulk_runs is not None:
-                qb, _, _ = self._qkv(layer, x_bulk, pos_b)
+                qb, _, _ = _qkv(layer, x_bulk, pos_b)
                 x_bulk = self._finish(layer, x_bulk, attend(attn, qb, bulk_runs))
             if some:
                 x = self._finish(layer, x, attend(attn, q, att))
-        out = torch.zeros(positions.shape[0], stream.shape[-1], dtype=stream.dtype, device=stream.device)
-        if prot.shape[0]:
-            out[prot] = m.norm(x[e:])
-        return out
-
-    def _question_rows(
-        self, st: ServeState, rows: StepRows, inputs: dict[int, Tensor], stream: Tensor, pos: Tensor
-    ) -> EarlierRows | None:
-        """Keep, or choose, each question prompt's share; return the chosen rows of earlier chunks (or None).
-
-        A prompt's step before its last keeps its rows' scoring material and h_S (`Kept`). Its last step (the
-        only one for a prompt scheduled whole) scores every row as the transformers runtime does, protects
-        the chosen rows of this step, and returns the chosen rows of earlier chunks (past the sink, which ran
-        exact in its own step) so that the late layers run them again, exactly, before this step's rows.
-        """
-        c = st.classifier
-        xs, pos_e, req_e = [], [], []
-        for q in rows.questions:
-            kept = c.kept.get(q.key) if q.start > 0 or not q.last else Kept()
-            if kept is None or kept.next != q.start:  # its earlier chunks ran stock: exact from here on
-                c.run_exact(q)
-                rows.protected[q.first : q.end] = True
-                continue
-            self._keep(st, q, kept, inputs, stream, pos)
-            if not q.last:
-                continue
-            c.kept.pop(q.key, None)
-            n = q.plen - 1
-            mask = self._choose(st, kept, n)
-            rows.protected[q.first : q.first + n - q.start] = mask[q.start :]
-            st.chosen[q.req_id] = mask.nonzero().squeeze(-1).tolist()
-            if len(st.chosen) > 256:  # a record for the tests and the curious, not a log of every request
-                st.chosen.pop(next(iter(st.chosen)))
-            earlier = mask[: q.start].nonzero().squeeze(-1)
-            earlier = earlier[earlier >= c.policy.sink]
-            if q.start == 0:
-                st.counters.question_one_step += 1
-            else:
-                st.counters.question_chunked += 1
-                st.counters.question_late_rows += earlier.shape[0]
-            if earlier.shape[0]:
-                xs.append(torch.cat(kept.split)[to_device(earlier, stream.device)])
-                pos_e.append(earlier)
-                req_e.append(torch.full_like(earlier, q.req))
-        reclassify(rows)
-        if not xs:
-            return None
-        req, host_pos = torch.cat(req_e), torch.cat(pos_e)
-        early = with_rows_before(rows, req, host_pos)
-        return EarlierRows(torch.cat(xs), to_device(host_pos, stream.device), req, host_pos, early)
-
-    def _keep(
-        self, st: ServeState, q: Question, kept: Kept, inputs: dict[int, Tensor], stream: Tensor, pos: Tensor
-    ) -> None:
-        """Add this step's rows of a question prompt to what it keeps: per scored layer the keys of its rows
-        in the head (the prompt without its last row, as the transformers runtime scores it) and the queries
-        of its question rows (the head's last `query`); h_S of its rows unless this step ends the prompt."""
-        n, nq = q.plen - 1, min(st.question.query, q.plen - 1)
-        head = min(q.end - q.first, n - q.start)  # this step's rows in the head
-        if not kept.keys:
-            kept.keys, kept.queries = [[] for _ in inputs], [[] for _ in inputs]
-        if head > 0:
-            rows, first = slice(q.first, q.first + head), max(0, n - nq - q.start)
-            for i, (idx, x) in enumerate(inputs.items()):
-                queries, keys, _ = self._qkv(self.model.layers[idx], x[rows], pos[rows])
-                kept.keys[i].append(keys)
-                if first < head:
-                    kept.queries[i].append(queries[first:].clone())
-        if not q.last:
-            kept.split.append(stream[q.first : q.end].clone())
-        kept.next = q.start + q.end - q.first
-
-    def _choose(self, st: ServeState, kept: Kept, n: int) -> Tensor:
-        """Bool [n] (host) over a prompt's head: sink, tail and the share the question's attention picks.
-
-        The last `query` head rows score every head row, summed over heads and the scored layers, max-pooled.
-        """
-        q = st.question
-        attention = None
-        for i, idx in enumerate(range(st.split - q.score_layers, st.split)):
-            attn = self.model.layers[idx].self_attn
-            keys, queries = torch.cat(kept.keys[i]), torch.cat(kept.queries[i])
-            if keys.shape[0] != n or queries.shape[0] != min(q.query, n):
-                raise RuntimeError(f"question rows: kept {keys.shape[0]} keys and {queries.shape[0]} queries of {n}")
-            hd, nq = attn.head_dim, queries.shape[0]
-            a = question_attention(
-                queries.view(nq, -1, hd).transpose(0, 1), keys.view(n, -1, hd).transpose(0, 1), attn.scaling
-            )
-            attention = a if attention is None else attention + a
-        attention = _all_heads(attention)
-        return question_mask(attention, q.sink, max(1, q.tail - 1), q.share, q.window, q.reach).cpu()
+        return prot, x[e:]
 
     @staticmethod
     def _interleave(rows_b: Tensor, rows_p: Tensor, bulk: Tensor, prot: Tensor, n: int) -> Tensor:
@@ -398,17 +321,9 @@ class RidgeFillMixin:
         normed = layer.input_layernorm(hidden)
         k = F.linear(normed, st.kv[(idx, "k", "weight")], st.kv.get((idx, "k", "bias")))
         v = F.linear(normed, st.kv[(idx, "v", "weight")], st.kv.get((idx, "v", "bias")))
-        k = self._k_norm(layer.self_attn, k)
+        k = _k_norm(layer.self_attn, k)
         k, _ = layer.self_attn.rotary_emb(pos, k.contiguous(), None)
         return k, v
-
-    def _qkv(self, layer, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        attn = layer.self_attn
-        qkv, _ = attn.qkv_proj(layer.input_layernorm(x))
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = self._q_norm(attn, q), self._k_norm(attn, k)
-        q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
-        return q, k, v
 
     @staticmethod
     def _finish(layer, x: Tensor, attn_out: Tensor) -> Tensor:
@@ -416,17 +331,48 @@ class RidgeFillMixin:
         x = x + o
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    @staticmethod
-    def _k_norm(attn, k: Tensor) -> Tensor:
-        if not hasattr(attn, "k_norm"):
-            return k
-        return attn.k_norm(k.view(k.shape[0], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
 
-    @staticmethod
-    def _q_norm(attn, q: Tensor) -> Tensor:
-        if not hasattr(attn, "q_norm"):
-            return q
-        return attn.q_norm(q.view(q.shape[0], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
+def _qkv(layer, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A vLLM layer's roped queries, keys and its values of input rows x at positions pos."""
+    attn = layer.self_attn
+    qkv, _ = attn.qkv_proj(layer.input_layernorm(x))
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = _q_norm(attn, q), _k_norm(attn, k)
+    q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
+    return q, k, v
+
+
+def _k_norm(attn, k: Tensor) -> Tensor:
+    if not hasattr(attn, "k_norm"):
+        return k
+    return attn.k_norm(k.view(k.shape[0], k.shape[-1] // attn.head_dim, attn.head_dim)).view(k.shape)
+
+
+def _q_norm(attn, q: Tensor) -> Tensor:
+    if not hasattr(attn, "q_norm"):
+        return q
+    return attn.q_norm(q.view(q.shape[0], q.shape[-1] // attn.head_dim, attn.head_dim)).view(q.shape)
+
+
+@dataclass(frozen=True)
+class ScoredLayers:
+    """The exact layers below the split that the question's attention is read in (`question.Scorer`)."""
+
+    layers: list  # vLLM decoder layers, in order
+
+    def keys_queries(self, layer: int, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, _ = _qkv(self.layers[layer], x, pos)
+        return k, q
+
+    def attention(self, keys: list[Tensor], queries: list[Tensor]) -> Tensor:
+        """Per layer q x n scores of this rank's heads (`rows.question_attention`), summed, then over ranks."""
+        total = None
+        for layer, k, q in zip(self.layers, keys, queries, strict=True):
+            attn = layer.self_attn
+            hd, n, nq = attn.head_dim, k.shape[0], q.shape[0]
+            a = question_attention(q.view(nq, -1, hd).transpose(0, 1), k.view(n, -1, hd).transpose(0, 1), attn.scaling)
+            total = a if total is None else total + a
+        return _all_heads(total)
 
 
 def _all_heads(attention: Tensor) -> Tensor:

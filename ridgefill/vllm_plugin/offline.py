@@ -176,7 +176,8 @@ def run_case(case: dict) -> dict:
     except AttributeError:  # the model runs in worker processes (tensor parallel): see the log
         state = active = count = None
     # vLLM runs a request as "<its id>-<8 random chars>" inside the engine
-    question_rows = {} if state is None else {k.rsplit("-", 1)[0]: v for k, v in state.chosen.items()}
+    record = {} if state is None else state.classifier.selector.chosen
+    question_rows = {k.rsplit("-", 1)[0]: v for k, v in record.items()}
     results = []
     for o in outs:
         c = o.outputs[0]
