@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ridgefill.default_model import default_model_dir
     from ridgefill.evals.ttft import ratio_ci
-    from ridgefill.vllm_plugin.offline import counters, make_llm, served_model
+    from ridgefill.vllm_plugin.offline import LLMArgs, counters, make_llm, served_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     model_dir = str(default_model_dir())
     maps = identity_maps(model_dir, Path(tempfile.mkdtemp(prefix="rf-decode-")) / "maps", split=18)
-    llm = make_llm(model_dir, maps, options={"tail": 64}, max_model_len=max(512, args.prompt) + args.tokens + 8)
+    length = max(512, args.prompt) + args.tokens + 8
+    llm = make_llm(model_dir, maps, options={"tail": 64}, args=LLMArgs(max_model_len=length))
     state = served_model(llm).ridgefill
     assert state is not None, "RidgeFill refused the maps"
     g = torch.Generator().manual_seed(0)

@@ -43,20 +43,17 @@ def worker(spec: dict) -> dict:
     """Build the engine, run each batch (RidgeFill on or off), report what ran and the counters after each."""
     from vllm import SamplingParams, TokensPrompt
 
-    from ridgefill.vllm_plugin.offline import counters, hooked_runner, make_llm, runner_of, served_model
+    from ridgefill.vllm_plugin.offline import LLMArgs, counters, hooked_runner, make_llm, runner_of, served_model
 
-    llm = make_llm(
-        spec["model"],
-        spec["maps"],
+    args = LLMArgs(
         chunk=spec["chunk"],
         max_model_len=spec["max_model_len"],
-        dtype=spec.get("dtype"),
-        options={"mode": spec["mode"]},
         prefix_caching=spec["prefix_caching"],
         max_num_seqs=4,
         block_size=32,  # the CPU attention needs multiples of 32; FlashAttention takes it too
         enforce_eager=spec["enforce_eager"],
     )
+    llm = make_llm(spec["model"], spec["maps"], dtype=spec.get("dtype"), options={"mode": spec["mode"]}, args=args)
     model, runner = served_model(llm), runner_of(llm)
     state = model.ridgefill
     cc = llm.llm_engine.vllm_config.compilation_config

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ridgefill.evals.ttft import ratio_ci
 from ridgefill.steps import model_path
-from ridgefill.vllm_plugin.offline import make_llm, served_model
+from ridgefill.vllm_plugin.offline import LLMArgs, make_llm, served_model
 
 
 def main() -> None:
@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     from vllm import SamplingParams, TokensPrompt
 
-    llm = make_llm(str(model_path(args.model)), str(args.maps), max_model_len=1024, max_num_seqs=args.batch)
+    engine = LLMArgs(max_model_len=1024, max_num_seqs=args.batch)
+    llm = make_llm(str(model_path(args.model)), str(args.maps), args=engine)
     state = served_model(llm).ridgefill
     prompts = [
         TokensPrompt(prompt_token_ids=[100 + 7 * i + j for j in range(args.prompt_tokens)]) for i in range(args.batch)

@@ -30,10 +30,10 @@ def main() -> None:
 
     from ridgefill.evals.ttft import random_prompt
     from ridgefill.steps import model_path
-    from ridgefill.vllm_plugin.offline import make_llm, served_model
+    from ridgefill.vllm_plugin.offline import LLMArgs, make_llm, served_model
 
     options = {"share": args.share, "tail": args.tail, "select": "question", "window": args.window, "reach": args.reach}
-    llm = make_llm(str(model_path("default")), args.maps, max_model_len=args.length + 16, options=options)
+    llm = make_llm(str(model_path("default")), args.maps, options=options, args=LLMArgs(max_model_len=args.length + 16))
     state = served_model(llm).ridgefill
     ids = random_prompt(llm.get_tokenizer().vocab_size, args.length)
     prompt = [TokensPrompt(prompt_token_ids=torch.as_tensor(ids).flatten().tolist())]

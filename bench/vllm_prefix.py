@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ridgefill.steps import model_path
-from ridgefill.vllm_plugin.offline import make_llm, served_model
+from ridgefill.vllm_plugin.offline import LLMArgs, make_llm, served_model
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     from vllm import SamplingParams, TokensPrompt
 
     n = args.doc_tokens + args.question_tokens
-    llm = make_llm(str(model_path(args.model)), str(args.maps), max_model_len=n + 16, prefix_caching=True)
+    llm = make_llm(str(model_path(args.model)), str(args.maps), args=LLMArgs(max_model_len=n + 16, prefix_caching=True))
     state = served_model(llm).ridgefill
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = np.random.default_rng(0)

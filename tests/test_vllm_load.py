@@ -66,22 +66,20 @@ def drive(case: dict) -> dict:
     next schedule). Returns tokens, cached tokens, the step trace, counters and vLLM's preemption count."""
     from vllm import SamplingParams, TokensPrompt
 
-    from ridgefill.vllm_plugin.offline import make_llm, served_model
+    from ridgefill.vllm_plugin.offline import LLMArgs, make_llm, served_model
 
     engine_args = {"disable_log_stats": False, "num_gpu_blocks_override": case.get("blocks")}
     if case.get("blocks"):  # admit a prompt whose whole length does not fit yet (so it can be preempted mid-way)
         engine_args["scheduler_reserve_full_isl"] = False
-    llm = make_llm(
-        case["model"],
-        case["maps"],
+    args = LLMArgs(
         chunk=CHUNK,
         max_model_len=case.get("max_model_len", 512),
-        options=case.get("options"),
         prefix_caching=case.get("prefix_caching", False),
         max_num_seqs=case.get("max_num_seqs", 8),
         block_size=BLOCK,
         engine_args=engine_args,
     )
+    llm = make_llm(case["model"], case["maps"], options=case.get("options"), args=args)
     engine, state = llm.llm_engine, served_model(llm).ridgefill
     if os.environ.get("RIDGEFILL_TEST_BREAK_RELEASE"):  # show the abort tests bite (docs/TESTING.md)
         type(state.classifier).release = lambda self, req_id: None

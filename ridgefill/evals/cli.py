@@ -189,15 +189,13 @@ def ttft(
         if maps is None:
             raise typer.BadParameter("the vllm engine serves a map folder: give --maps", param_hint="--maps")
         from ridgefill.steps import model_path
-        from ridgefill.vllm_plugin.offline import counters, make_llm, served_model, ttft_engine
+        from ridgefill.vllm_plugin.offline import LLMArgs, counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
         given = dict(sink=sink, tail=tail, share=share, window=window, reach=reach, mode=mode, select=select)
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
-        llm = make_llm(
-            path, str(maps), chunk=chunk, max_model_len=max(length) + 16, dtype=dtype, options=options,
-            gpu_memory_utilization=gpu_memory,
-        )  # fmt: skip
+        args = LLMArgs(chunk=chunk, max_model_len=max(length) + 16, gpu_memory_utilization=gpu_memory)
+        llm = make_llm(path, str(maps), dtype=dtype, options=options, args=args)
         run = ttft_engine(llm)  # raises if the engine refused the folder
         tok = llm.get_tokenizer()
         plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there

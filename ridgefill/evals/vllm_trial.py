@@ -38,17 +38,20 @@ def whole_prompts(job: dict) -> bool:
 def run_job(job: dict) -> dict:
     """Build the engine once, run the job on it (with a `gate`, the trial's whole decision:
     `ridgefill.decision.decide`); a JSON-ready result."""
-    from ridgefill.vllm_plugin.offline import make_llm, served_model
+    from ridgefill.vllm_plugin.offline import LLMArgs, make_llm, served_model
 
     ruler, gate = job.get("ruler"), job.get("gate")
     batch = ruler["samples"] - ruler.get("first", 0) if ruler else 1
     if gate and gate.get("promote"):
         batch = max(batch, gate["promote"] - gate["samples"])
-    llm = make_llm(
-        job["model"], job.get("maps"), max_model_len=engine_length(job), dtype=job.get("dtype", "float32"),
-        options=job.get("options"), max_num_seqs=max(8, min(256, batch)),
-        gpu_memory_utilization=job.get("gpu_memory"), chunked_prefill=not whole_prompts(job),
-    )  # fmt: skip
+    args = LLMArgs(
+        max_model_len=engine_length(job),
+        max_num_seqs=max(8, min(256, batch)),
+        gpu_memory_utilization=job.get("gpu_memory"),
+        chunked_prefill=not whole_prompts(job),
+    )
+    dtype = job.get("dtype", "float32")
+    llm = make_llm(job["model"], job.get("maps"), dtype=dtype, options=job.get("options"), args=args)
     state = getattr(served_model(llm), "ridgefill", None)
     if job.get("maps") and state is None:
         raise RuntimeError(f"the engine refused the map folder {job['maps']} (see its warning above)")

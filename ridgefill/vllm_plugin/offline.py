@@ -10,40 +10,53 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ridgefill.vllm_plugin.config import ARCHS, serve_dtype
+
+
+@dataclass(frozen=True)
+class LLMArgs:
+    """The `vllm.LLM` arguments an in-process engine is built with, passed whole (defaults: a small, eager,
+    single-device engine for tests and TTFT). `chunk` None: one step may hold `max_model_len` tokens;
+    `gpu_memory_utilization` None: vLLM's own; `chunked_prefill=False`: a prompt waits for a step with room for
+    all of it instead of being split (the tuner's question-selector trials: every prompt on the one-step path);
+    `engine_args`: more of vLLM's own engine arguments (e.g. num_gpu_blocks_override, to force preemption)."""
+
+    chunk: int | None = None
+    max_model_len: int = 4096
+    kv_space_gib: int = 2
+    prefix_caching: bool = False
+    max_num_seqs: int = 8
+    block_size: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = True
+    chunked_prefill: bool = True
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
 
 
 def make_llm(
     model: str,
     maps: str | None = None,
     *,
-    chunk: int | None = None,
-    max_model_len: int = 4096,
     dtype: str | None = None,
     options: dict | None = None,
-    kv_space_gib: int = 2,
-    prefix_caching: bool = False,
-    max_num_seqs: int = 8,
-    block_size: int | None = None,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-    enforce_eager: bool = True,
-    chunked_prefill: bool = True,
-    engine_args: dict | None = None,
+    args: LLMArgs | None = None,
 ):
-    """An in-process vLLM engine; with `maps`, the RidgeFill class of the model's family serves them.
-    `dtype` None: `serve_dtype` (bf16 on CUDA unless the model is fp16, float32 on the CPU).
-    `chunked_prefill=False`: a prompt waits for a step with room for all of it instead of being split (the
-    tuner's question-selector trials: every prompt on the one-step path). `engine_args`: more of vLLM's own
-    engine arguments (e.g. num_gpu_blocks_override, to force preemption in a test)."""
+    """An in-process vLLM engine built with `args` (None: `LLMArgs()`); with `maps`, the RidgeFill class of the
+    model's family serves them with the row `options`. `dtype` None: `serve_dtype` (bf16 on CUDA unless the model
+    is fp16, float32 on the CPU)."""
     import torch
 
+    a = args or LLMArgs()
     # vLLM's own variables (vLLM reads them only from the environment), for the in-process engine this makes;
     # no RidgeFill setting is ever written (ridgefill/settings.py)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(a.kv_space_gib))
     from transformers import AutoConfig
     from vllm import LLM
 
@@ -57,18 +70,18 @@ def make_llm(
     return LLM(
         model=model,
         dtype=dtype or serve_dtype(model, torch.cuda.is_available()),
-        enforce_eager=enforce_eager,
-        max_model_len=max_model_len,
+        enforce_eager=a.enforce_eager,
+        max_model_len=a.max_model_len,
         seed=0,
-        enable_prefix_caching=prefix_caching,
-        enable_chunked_prefill=chunked_prefill,
-        max_num_batched_tokens=chunk or max_model_len,
-        max_num_seqs=max_num_seqs,
-        block_size=block_size,
-        tensor_parallel_size=tensor_parallel_size,
-        **({} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}),
+        enable_prefix_caching=a.prefix_caching,
+        enable_chunked_prefill=a.chunked_prefill,
+        max_num_batched_tokens=a.chunk or a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        block_size=a.block_size,
+        tensor_parallel_size=a.tensor_parallel_size,
+        **({} if a.gpu_memory_utilization is None else {"gpu_memory_utilization": a.gpu_memory_utilization}),
         hf_overrides=overrides or None,
-        **(engine_args or {}),
+        **a.engine_args,
     )
 
 
@@ -148,14 +161,16 @@ def run_case(case: dict) -> dict:
     llm = make_llm(
         case["model"],
         case.get("maps"),
-        chunk=case.get("chunk"),
-        max_model_len=case.get("max_model_len", 4096),
-        options=case.get("options"),
-        prefix_caching=case.get("prefix_caching", False),
-        block_size=case.get("block_size"),
-        tensor_parallel_size=case.get("tp", 1),
-        enforce_eager=case.get("enforce_eager", True),
         dtype=case.get("dtype"),
+        options=case.get("options"),
+        args=LLMArgs(
+            chunk=case.get("chunk"),
+            max_model_len=case.get("max_model_len", 4096),
+            prefix_caching=case.get("prefix_caching", False),
+            block_size=case.get("block_size"),
+            tensor_parallel_size=case.get("tp", 1),
+            enforce_eager=case.get("enforce_eager", True),
+        ),
     )
     params = SamplingParams(
         temperature=0.0,
