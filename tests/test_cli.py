@@ -191,6 +191,22 @@ def test_bad_row_options_of_eval_are_one_line(built, model_dir):
         _one_line_error(runner.invoke(app, [*args, "--share", "2"]), "--share must lie in [0, 1]")
 
 
+def test_every_eval_command_takes_the_row_options_of_the_row_policy():
+    """ruler, nll and ttft take one option per `RowPolicy` field, from one place, checked before a model loads."""
+    from dataclasses import fields
+
+    import typer
+
+    from ridgefill.evals.cli import app as eval_app
+    from ridgefill.rows import RowPolicy
+
+    commands = typer.main.get_command(eval_app).commands
+    for name in ("ruler", "nll", "ttft"):
+        assert {f.name for f in fields(RowPolicy)} <= {p.name for p in commands[name].params}, name
+        args = ["eval", name, "--model", "/no/model", "--select", "question", "--window", "-1"]
+        _one_line_error(runner.invoke(app, args), "--window >= 0", "-1")
+
+
 def test_bad_splits_and_missing_files_stop_before_the_model_loads(built, model_dir, monkeypatch):
     from ridgefill import steps
 

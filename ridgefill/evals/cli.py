@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -24,6 +27,58 @@ Lengths = Annotated[list[int], typer.Option("--length", help="prompt lengths in 
 Text = Annotated[list[str], typer.Option(help="text files/folders, 'pydoc' or 'prose' (offline)")]
 
 
+ROW_PANEL = "Protected rows (an option left out: the map folder's, else the default row policy)"
+ROW_OPTIONS = {  # RowPolicy field -> its option's help: every eval command takes these (`with_rows`)
+    "sink": "first prompt rows always run exact",
+    "tail": "last prompt rows always run exact",
+    "share": "share of the other rows protected, chosen by --select",
+    "select": "how the share is chosen: rarity | question (the question's attention) | random (not the folder's)",
+    "query": "question: query rows at the prompt's end",
+    "window": "question: max-pool half-width",
+    "score_layers": "question: exact layers below the split whose attention is summed",
+    "reach": "question: rows after a scored row kept with it",
+}
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """The row options one command line gave (`RowPolicy` fields; a field left out keeps the base's value)."""
+
+    given: Mapping[str, Any]
+
+    def over(self, base: RowPolicy) -> RowPolicy:
+        """`base` (a map folder's defaults, else `ROWS`) with the options given; a bad value is one line
+        (InputError)."""
+        return check_rows(base, **self.given)
+
+
+def with_rows(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` taking one option per `ROW_OPTIONS` field in place of its `rows` parameter, and that parameter
+    as one `RowOptions`, checked before any model or engine loads: ruler, nll and ttft take the same options."""
+    own = inspect.signature(command, eval_str=True)
+    at = own.parameters["rows"]
+    options = [
+        inspect.Parameter(
+            name,
+            at.kind,
+            default=ROWS.select if name == "select" else None,  # rarity unless asked, whatever the folder's
+            annotation=Annotated[type(getattr(ROWS, name)) | None, typer.Option(help=text, rich_help_panel=ROW_PANEL)],
+        )
+        for name, text in ROW_OPTIONS.items()
+    ]
+    params = list(own.parameters.values())
+    i = params.index(at)
+
+    @functools.wraps(command)
+    def run(**values: Any) -> None:
+        rows = RowOptions({name: values.pop(name) for name in ROW_OPTIONS})
+        rows.over(ROWS)  # before a model or engine loads
+        command(**values, rows=rows)
+
+    run.__signature__ = own.replace(parameters=[*params[:i], *options, *params[i + 1 :]])
+    return run
+
+
 def _load(model: str, maps: Path | None):
     from ridgefill.maps import load_maps
     from ridgefill.steps import load_model
@@ -32,17 +87,16 @@ def _load(model: str, maps: Path | None):
     return lm, tok, (load_maps(maps, lm, tok) if maps else None)
 
 
-def _plan(ms, mode: str | None, split: int | None, sink: int | None, tail: int | None, share: float | None, **pooling):
-    """The plan the options ask for: sink, tail, share (and the question's `pooling`: window, reach) given, else the
-    folder's (the share chosen by rarity); a bad value is refused in one line (InputError)."""
+def _plan(ms, mode: str | None, split: int | None, rows: RowOptions) -> FillPlan:
+    """The plan the options ask for: the row options given over the folder's defaults (`ROWS` without a
+    folder); a bad value is refused in one line (InputError)."""
     mode = mode or ("ridge" if ms else "identity")
     if ms is None and mode == "ridge":
         raise typer.BadParameter("ridge mode needs --maps", param_hint="--maps")
     if ms is None and mode != "exact" and split is None:
         raise typer.BadParameter("without --maps, give --split", param_hint="--split")
     base = RowPolicy.of(ms.manifest["defaults"]) if ms else ROWS
-    rows = replace(check_rows(base, sink=sink, tail=tail, share=share, **pooling), select=ROWS.select)
-    return FillPlan(mode, split or (ms.split if ms else 0), ms, rows=rows)
+    return FillPlan(mode, split or (ms.split if ms else 0), ms, rows=rows.over(base))
 
 
 def _text_tokens(tok, text: list[str]) -> torch.Tensor:
@@ -59,14 +113,13 @@ def _write(out: Path | None, result: dict) -> None:
 
 
 @app.command()
+@with_rows
 def ruler(
     model: Model = "default",
     maps: Maps = None,
     mode: str | None = None,
     split: int | None = None,
-    sink: int | None = None,
-    tail: int | None = None,
-    share: float | None = None,
+    rows: RowOptions = RowOptions({}),
     length: Lengths = [2048],  # noqa: B006
     task: Annotated[list[str], typer.Option(help="RULER tasks (repeatable); default: all")] = [],  # noqa: B006
     haystack: Text = ["pydoc"],  # noqa: B006
@@ -80,7 +133,7 @@ def ruler(
     from ridgefill.evals.ruler_run import Cells, run_ruler, table
 
     lm, tok, ms = _load(model, maps)
-    plan = _plan(ms, mode, split, sink, tail, share)
+    plan = _plan(ms, mode, split, rows)
     plans = {"exact": FillPlan(), f"{plan.mode} S={plan.split}": plan}
     if with_identity and plan.mode != "identity":
         plans[f"identity S={plan.split}"] = FillPlan(
@@ -95,6 +148,9 @@ def ruler(
         "sink": plan.rows.sink,
         "tail": plan.rows.tail,
         "share": plan.rows.share,
+        "select": plan.rows.select,
+        "window": plan.rows.window,
+        "reach": plan.rows.reach,
         "seed": seed,
     }
     typer.echo(table(result["scores"]))
@@ -102,14 +158,13 @@ def ruler(
 
 
 @app.command()
+@with_rows
 def nll(
     model: Model = "default",
     maps: Maps = None,
     mode: str | None = None,
     split: int | None = None,
-    sink: int | None = None,
-    tail: int | None = None,
-    share: float | None = None,
+    rows: RowOptions = RowOptions({}),
     length: Lengths = [2048],  # noqa: B006
     text: Text = ["pydoc"],  # noqa: B006
     documents: int = 8,
@@ -121,7 +176,7 @@ def nll(
     from ridgefill.evals.nll import evaluate_nll
 
     lm, tok, ms = _load(model, maps)
-    plan = _plan(ms, mode, split, sink, tail, share)
+    plan = _plan(ms, mode, split, rows)
     stream = _text_tokens(tok, text)
     result = {}
     typer.echo("| length | docs | NLL exact | NLL fill | dNLL | 95% CI | top-1 agree |\n|---|---|---|---|---|---|---|")
@@ -142,6 +197,9 @@ def nll(
                 "split": plan.split,
                 "tail": plan.rows.tail,
                 "share": plan.rows.share,
+                "select": plan.rows.select,
+                "window": plan.rows.window,
+                "reach": plan.rows.reach,
             },
             "lengths": result,
         },
@@ -149,19 +207,13 @@ def nll(
 
 
 @app.command()
+@with_rows
 def ttft(
     model: Model = "default",
     maps: Maps = None,
     mode: str | None = None,
     split: int | None = None,
-    sink: int | None = None,
-    tail: int | None = None,
-    share: float | None = None,
-    select: Annotated[
-        str, typer.Option(help="how the share is chosen: rarity | question (the question's attention)")
-    ] = "rarity",
-    window: Annotated[int | None, typer.Option(help="question: max-pool half-width (default: the folder's)")] = None,
-    reach: Annotated[int | None, typer.Option(help="question: rows after a scored row kept with it")] = None,
+    rows: RowOptions = RowOptions({}),
     length: Lengths = [2048, 4096],  # noqa: B006
     engine: Annotated[str, typer.Option(help="transformers | vllm (vLLM in-process, enforce_eager)")] = "transformers",
     chunk: Annotated[int | None, typer.Option(help="vllm: max tokens per step (chunked prefill)")] = None,
@@ -176,14 +228,12 @@ def ttft(
     """Paired TTFT, exact vs the plan on the same engine in this process: medians, ratio and its CI."""
     from ridgefill.evals.ttft import paired_ttft, random_prompt, transformers_engine
 
-    check_rows(ROWS, sink=sink, tail=tail, share=share, window=window, reach=reach)  # before a model or engine loads
     kind = ENGINES.get(engine)
     if kind is None:
         raise typer.BadParameter(f"engine must be transformers or vllm, not {engine!r}", param_hint="--engine")
     if not kind.serving:
         lm, tok, ms = _load(model, maps)
-        plan = _plan(ms, mode, split, sink, tail, share, window=window, reach=reach)
-        plan = replace(plan, rows=plan.rows.given(select=select))
+        plan = _plan(ms, mode, split, rows)
         run = transformers_engine(lm)
     else:
         if maps is None:
@@ -192,17 +242,15 @@ def ttft(
         from ridgefill.vllm_plugin.offline import LLMArgs, counters, make_llm, served_model, ttft_engine
 
         path = str(model_path(model))
-        given = dict(sink=sink, tail=tail, share=share, window=window, reach=reach, mode=mode, select=select)
+        given = {**rows.given, "mode": mode}
         options = {k: v for k, v in given.items() if v is not None}  # the engine serves ridge or plumb
         args = LLMArgs(chunk=chunk, max_model_len=max(length) + 16, gpu_memory_utilization=gpu_memory)
         llm = make_llm(path, str(maps), dtype=dtype, options=options, args=args)
         run = ttft_engine(llm)  # raises if the engine refused the folder
         tok = llm.get_tokenizer()
-        plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, sink, tail, share)  # verified there
+        plan = _plan(served_model(llm).ridgefill.maps, mode or "ridge", None, rows)  # verified there
         q = served_model(llm).ridgefill.question
-        plan = replace(
-            plan, rows=plan.rows.given(select=select, **({"window": q.window, "reach": q.reach} if q else {}))
-        )
+        plan = replace(plan, rows=plan.rows.given(**({"window": q.window, "reach": q.reach} if q else {})))
     result = {}
     count = (lambda: counters(llm)) if kind.serving else (lambda: None)
     typer.echo("| tokens | exact median s | fill median s | speed-up | 95% CI |\n|---|---|---|---|---|")
