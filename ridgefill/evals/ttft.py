@@ -8,13 +8,12 @@ Engines are callables `ttft(input_ids, plan) -> seconds`: the transformers runti
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
-from scipy import stats
 from torch import nn
 
 from ridgefill.runtime import FillPlan, prefill
@@ -48,21 +47,16 @@ def speedup_over_lengths(results: dict) -> float:
 
 
 def ratio_ci(exact: list[float], fill: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap 95% CI of median(exact)/median(fill), resampling paired repeats (percentile method: a few
-    repeats are too few for BCa's corrections); one pair has nothing to resample, its CI is its ratio."""
-    if len(exact) != len(fill):
-        raise ValueError(f"paired repeats: {len(exact)} exact vs {len(fill)} fill")
-    if len(exact) < 2:
-        r = exact[0] / fill[0]
-        return r, r
-
-    def ratio(e: np.ndarray, f: np.ndarray, axis: int = -1) -> np.ndarray:
-        return np.median(e, axis=axis) / np.median(f, axis=axis)
-
-    ci = stats.bootstrap(
-        (exact, fill), ratio, paired=True, n_resamples=reps, method="percentile", rng=np.random.default_rng(seed)
-    ).confidence_interval
-    return float(ci.low), float(ci.high)
+    """Bootstrap 95% CI of median(exact)/median(fill), resampling paired repeats. Standard library, not
+    scipy.stats.bootstrap: bench/gpu_lent_check.py runs `paired_ttft` on the lent GPU machine, which has no scipy."""
+    rng = random.Random(seed)
+    pairs = list(zip(exact, fill, strict=True))
+    ratios = []
+    for _ in range(reps):
+        pick = rng.choices(pairs, k=len(pairs))
+        ratios.append(statistics.median(a for a, _ in pick) / statistics.median(b for _, b in pick))
+    ratios.sort()
+    return ratios[int(0.025 * reps)], ratios[int(0.975 * reps) - 1]
 
 
 def paired_ttft(engine: Engine, ids: torch.Tensor, plan: FillPlan, repeats: int = 5, warmup: int = 1) -> dict:
