@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ridgefill import objectives
@@ -36,14 +35,12 @@ from ridgefill.adapters import adapter_for
 from ridgefill.capture import CaptureOptions
 from ridgefill.corpus import load_corpus, token_stream
 from ridgefill.evals.nll import doc_nll, documents
-from ridgefill.fingerprint import fingerprint
-from ridgefill.fit import RidgeSolver
-from ridgefill.heldout import heldout_activations
-from ridgefill.maps import MapInfo, MapSet, write_map_set
-from ridgefill.rows import RowPolicy
+from ridgefill.heldout import heldout_activations, mean_cosine, rel_error
+from ridgefill.maps import MapSet
+from ridgefill.params import Params
+from ridgefill.rows import ROWS, RowPolicy
 from ridgefill.runtime import FillPlan
-from ridgefill.scores import rarity
-from ridgefill.steps import CalibrationText, load_model, model_path, run_capture
+from ridgefill.steps import CalibrationText, fit_trial, load_model, model_path, run_capture
 from ridgefill.study import load_study
 
 BF16 = torch.bfloat16
@@ -54,14 +51,10 @@ Quality = dict[str, dict[int, dict[str, dict[str, float]]]]  # condition -> laye
 
 
 def fit_map_set(model: nn.Module, tokenizer, text: CalibrationText, split: int, lam: float, work: Path) -> MapSet:
-    """The study's fit of one split (capture, then `RidgeSolver.solve` as `steps.fit_report` does, float32 maps)
-    written as a verified float32 map folder, the form the plugin loads and casts."""
+    """The study's fit of one split (`steps.fit_trial` on the study's capture): a verified float32 map folder,
+    the form the plugin loads and casts."""
     cap = run_capture(model, tokenizer, text, [split], work, CaptureOptions(progress=False))
-    maps = {l: (w.float(), b.float()) for l, (w, b) in RidgeSolver.from_stats(cap.stats(split)).solve(lam).items()}
-    tokens = cap.meta["windows_done"] * text.window
-    info = MapInfo(split, "ridge", lam, {"source": cap.meta["source"], "tokens": tokens})
-    fp = fingerprint(model, tokenizer, split)
-    return write_map_set(work / f"maps-S{split}", maps, fp, info, rarity(cap.token_counts()))
+    return fit_trial(model, tokenizer, str(cap.path), Params(split, lam, ROWS), work / f"maps-S{split}")
 
 
 def _kv(model: nn.Module, layer: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,13 +65,11 @@ def _kv(model: nn.Module, layer: int, h: Tensor, cos: Tensor, sin: Tensor) -> tu
 
 
 def _metrics(pred: tuple[Tensor, Tensor], true: tuple[Tensor, Tensor]) -> dict[str, float]:
-    """Relative error and mean per-row cosine of K and V, computed in float32 whatever the dtype of either side
-    (a bf16 reduction would add its own error to what is measured)."""
+    """Relative error and mean per-row cosine of K and V (`heldout`'s), computed in float32 whatever the dtype
+    of either side (a bf16 reduction would add its own error to what is measured)."""
     out = {}
     for name, p, t in (("k", pred[0], true[0]), ("v", pred[1], true[1])):
-        p, t = p.float(), t.float()
-        out[f"{name}_rel"] = float((p - t).norm() / t.norm())
-        out[f"{name}_cos"] = float(F.cosine_similarity(p.flatten(1), t.flatten(1), dim=-1).mean())
+        out[f"{name}_rel"], out[f"{name}_cos"] = rel_error(p.float(), t.float()), mean_cosine(p.float(), t.float())
     return out
 
 

@@ -27,11 +27,11 @@ class HeldOutWindow:
     sin: Tensor
 
 
-def _rel(pred: Tensor, true: Tensor) -> float:
+def rel_error(pred: Tensor, true: Tensor) -> float:
     return float((pred - true).norm() / true.norm())
 
 
-def _cos(pred: Tensor, true: Tensor) -> float:
+def mean_cosine(pred: Tensor, true: Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(pred.flatten(1), true.flatten(1), dim=-1).mean())
 
 
@@ -68,12 +68,12 @@ def score_maps(
             for name, pred in (("ridge", x @ w.to(x) + b.to(x)), ("identity", x)):
                 k, v = ad.write_kv(layer, pred[None], cos, sin)
                 row = {
-                    "h_rel": _rel(pred, true),
-                    "h_cos": _cos(pred, true),
-                    "k_rel": _rel(k, k_true),
-                    "k_cos": _cos(k.transpose(1, 2)[0], k_true.transpose(1, 2)[0]),
-                    "v_rel": _rel(v, v_true),
-                    "v_cos": _cos(v.transpose(1, 2)[0], v_true.transpose(1, 2)[0]),
+                    "h_rel": rel_error(pred, true),
+                    "h_cos": mean_cosine(pred, true),
+                    "k_rel": rel_error(k, k_true),
+                    "k_cos": mean_cosine(k.transpose(1, 2)[0], k_true.transpose(1, 2)[0]),
+                    "v_rel": rel_error(v, v_true),
+                    "v_cos": mean_cosine(v.transpose(1, 2)[0], v_true.transpose(1, 2)[0]),
                 }
                 acc = sums.setdefault(l, {}).setdefault(name, {})
                 for key, val in row.items():

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from ridgefill.vllm_plugin.batch import StepRows, to_device
+from ridgefill.vllm_plugin.batch import StepRows
+from ridgefill.vllm_plugin.device import to_device
 
 
 def write_kv(attn, key: Tensor, value: Tensor) -> None:

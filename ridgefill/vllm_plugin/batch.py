@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ridgefill.rows import RowPolicy, protected_mask
-
-if TYPE_CHECKING:
-    from ridgefill.vllm_plugin.question import Kept
+from ridgefill.vllm_plugin.device import to_device
+from ridgefill.vllm_plugin.question import Kept, QuestionSelector
 
 
 @dataclass(frozen=True)
@@ -89,20 +87,11 @@ class StepRows:
         return StepRows(self.num_tokens + req.shape[0], protected, req_of_token, positions, runs)
 
 
-def to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory so the copy does not wait for the stream."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class RowClassifier:
     """Keeps each prefilling request's prompt mask (computed once per request) and classifies steps; with the
     question selector, asks it (`selector`) which of a question prompt's rows a step protects."""
 
     def __init__(self, policy: RowPolicy, scores: Tensor | None, max_kept: int | None = None) -> None:
-        from ridgefill.vllm_plugin.question import QuestionSelector  # question.py builds on this module
-
         self.policy, self.scores = policy, scores
         self.question = policy.by_question  # the share is picked in the forward, from the question's attention
         self.selector = QuestionSelector(policy, max_kept)  # idle unless `question`

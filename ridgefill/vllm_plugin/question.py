@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ridgefill import settings
 from ridgefill.rows import RowPolicy, question_mask
-from ridgefill.vllm_plugin.batch import to_device
+from ridgefill.vllm_plugin.device import to_device
 
 if TYPE_CHECKING:
     from ridgefill.vllm_plugin.batch import Question, StepRows
