@@ -265,7 +265,8 @@ def certify_chosen(rec: Recorder, run: Run, base: Baseline, found: Searched, sta
         stage.log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
         return None
     spec = cfg.certify.ruler()
-    exact = exact_ruler(run.weights.fingerprint, run.model, spec.model_dump(), base.cert_inputs, cfg.engine)
+    engine = objectives.serving_engine(cfg)  # where the map is certified: as it is served
+    exact = exact_ruler(run.weights.fingerprint, run.model, spec.model_dump(), base.cert_inputs, engine)
     trial = next(t for t in found.ostudy.get_trials(deepcopy=False) if t.number == best.chosen)
     return certify_map(rec, cfg.name, trial, run.model, base.cert_inputs, exact, cfg)
 

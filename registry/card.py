@@ -75,6 +75,7 @@ def certified_results(cert: Mapping | None) -> list[EvalResult]:
     if not cert:
         return []
     args = {k: cert[k] for k in ("tasks", "lengths", "samples", "haystack", "seed")}
+    args["engine"] = cert.get("engine", "transformers")  # served by: vLLM when it was installed
     task, dataset = "RULER long-context retrieval", ("ruler", f"RULER (synthetic), haystack {cert['haystack']}")
     how = "paired vs exact on the same samples, 95% percentile bootstrap CI"
     ci = {"n": cert["n"], "ci95": [cert["ci_lo"], cert["ci_hi"]], "passed": cert["passed"], "rule": cert["rule"]}

@@ -161,33 +161,43 @@ def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger 
 
 
 def certify_trial(recorder, study: str, trial, m: ModelRef, inputs_sha: str, exact: dict, cfg: Study) -> dict:
-    """A study's chosen trial on its `certify` benchmark, paired against `exact` (that benchmark's exact run):
-    its certificate, for `gate` to record. One already recorded for the same map, settings, inputs and limit
-    is reused, so a rerun does not pay for it again."""
+    """A study's chosen trial on its `certify` benchmark, paired against `exact` (that benchmark's exact run on
+    the same engine): its certificate, for `gate` to record. It runs on the serving engine (vLLM when installed,
+    `objectives.serving_engine`), whatever engine the trials used: what ships is judged as it is served, and a
+    batch per task x length affords the samples a CI needs. One already recorded for the same map, settings,
+    inputs and limit is reused, so a rerun does not pay for it again."""
     import time
 
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.maps import sha256_file
-    from ridgefill.objectives import VllmJob, certified_ttft, plan_for, ruler_result, run_ruler_plan, run_vllm_job
+    from ridgefill.objectives import (
+        VllmJob,
+        certified_ttft,
+        plan_for,
+        ruler_result,
+        run_ruler_plan,
+        run_vllm_job,
+        serving_engine,
+    )
     from ridgefill.search import Params, params_of
 
     model, tokenizer = m.load()
-    spec, drop = cfg.certify, cfg.certify_drop
+    spec, drop, engine = cfg.certify, cfg.certify_drop, serving_engine(cfg)
     mp = trial.user_attrs["map_path"]
     timing = json.dumps(cfg.objectives.ttft.model_dump(exclude={"per_trial"}), sort_keys=True)  # the certified TTFT
-    key = key_of(spec, drop, f"{inputs_sha}:{cfg.engine}:{timing}", sha256_file(Path(mp) / "ridgefill.json"))
+    key = key_of(spec, drop, f"{inputs_sha}:{engine}:{timing}", sha256_file(Path(mp) / "ridgefill.json"))
     if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
         return old
     t0 = time.time()
     plan = plan_for(Params.of(params_of(trial)), mp, model, tokenizer)
-    if ENGINES[cfg.engine].serving:  # as served: one engine, a batch per task x length
+    if ENGINES[engine].serving:  # as served: one engine, a batch per task x length
         run = ruler_result(run_vllm_job(VllmJob.of(model, cfg.model.dtype, plan).scoring(spec.ruler()))["ruler"])
     else:
         run = run_ruler_plan(model, tokenizer, plan, spec.ruler())
     words = hashlib.sha256("\n".join(load_haystack(spec.haystack).words).encode()).hexdigest()
     hay = haystack_label(spec.haystack, words)
     cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay)
-    cert |= {"engine": cfg.engine, "key": key, "seconds": 0.0}
+    cert |= {"engine": engine, "key": key, "seconds": 0.0}
     params = Params.of(params_of(trial))
     ttft = certified_ttft(model, tokenizer, params, mp, cfg, trial.user_attrs.get("speedup_predicted"))
     cert["seconds"] = time.time() - t0

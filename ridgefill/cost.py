@@ -202,15 +202,23 @@ class Estimate:
 
 
 def _ruler_s(
-    study: Study, shape: Shape, r: Rates, bytes_: int, speedup: float, samples: int | None = None, spec=None
+    study: Study,
+    shape: Shape,
+    r: Rates,
+    bytes_: int,
+    speedup: float,
+    samples: int | None = None,
+    spec=None,
+    engine: str | None = None,
 ) -> tuple[float, list[str]]:
     """RULER over the study's tasks x lengths, `samples` per task (default the study's); on vLLM a cell's
     samples are one batch, on transformers they run one at a time. `speedup` divides the prefill FLOPs (1 for
-    exact). `spec`: another RULER spec (the certification's); default the study's objective."""
-    ru = spec or study.objectives.ruler
+    exact). `spec`: another RULER spec (the certification's); default the study's objective. `engine`: where it
+    runs (default the study's)."""
+    ru, engine = spec or study.objectives.ruler, engine or study.engine
     n = ru.samples if samples is None else samples
-    vllm = ENGINES[study.engine].serving
-    rate = r.rate(study.engine)
+    vllm = ENGINES[engine].serving
+    rate = r.rate(engine)
     total, lines = 0.0, []
     for length in ru.lengths:
         pre = n * prefill_flops(shape, length) / speedup / rate
@@ -314,9 +322,12 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     else:
         _calibration(study, shape, r, e)
     if study.certify is not None:  # the exact side (once per weights) and the chosen map, at exact's cost (a bound)
-        cert, lines = _ruler_s(study, shape, r, b, 1.0, spec=study.certify.ruler())
-        e.phases["certification"] = 2 * (base_start + cert)
-        say(f"certification (exact + the chosen map, {study.engine}): 2 x {base_start + cert:.1f} s")
+        from ridgefill.objectives import serving_engine
+
+        served = serving_engine(study)  # certified as it is served
+        cert, lines = _ruler_s(study, shape, r, b, 1.0, spec=study.certify.ruler(), engine=served)
+        e.phases["certification"] = 2 * (r.start(served) + cert)
+        say(f"certification (exact + the chosen map, {served}): 2 x {r.start(served) + cert:.1f} s")
         e.lines += lines
         _certified_ttft(study, shape, r, e)
     say(

@@ -125,7 +125,7 @@ def test_gate_publishes_a_passing_map_with_certified_numbers(chosen, tiny_models
     [entry] = [r for r in index if r["dataset"].get("config") == "certify"]
     assert entry["dataset"]["args"] == {
         "tasks": ["niah_multikey_1", "niah_single_1"], "lengths": [2048], "samples": 10, "haystack": "pydoc (test)",
-        "seed": 3,
+        "seed": 3, "engine": "transformers",
     }  # fmt: skip
     m = {x["name"]: x for x in entry["metrics"]}
     assert m["delta"]["value"] == pytest.approx(5.0) and m["n"]["value"] == 20

@@ -126,6 +126,7 @@ def test_deployment_run_end_to_end(prefect_server, tmp_path):  # noqa: F811 (the
     certified = certified["ruler"]
     args = certified["dataset"]["args"]
     assert args["tasks"] == ["niah_single_1"] and args["lengths"] == [512] and args["samples"] == 2
+    assert args["engine"] == "vllm"  # certified as served, whatever engine the trials used (transformers here)
     assert {m["name"]: m["value"] for m in certified["metrics"]}["n"] == 2
     wlog = (tmp_path / "worker.log").read_text()
     assert "pulled back and served" in wlog
