@@ -7,7 +7,12 @@ machine, fitted once per study on paired timings at the corners of its search sp
 
 The model: TTFT(n, config) = sum_k c_k * x_k, with the row classes
 - `dense`: FLOPs of layers that run every row (all layers for exact, 0..S-1 for RidgeFill);
-- `protected`: FLOPs of the protected rows in the late layers (gathered rows: their own efficiency);
+- `protected`: FLOPs of the protected rows in the late layers but their attention (gathered rows: their own
+  efficiency);
+- `protected_attention`: those rows' attention, counted over all n keys: the transformers runtime computes it
+  masked over the whole prompt, vLLM causally up to each row (about half for rows spread through the prompt);
+  its own coefficient says which, and it grows with n faster than the rest (the 8K held-out configs missed by
+  up to 6.8% while it was counted at n/2 inside `protected`: docs/BENCHMARKS.md 12f);
 - `bulk`: FLOPs of bulk rows at and after the split (k/v projections, the maps);
 - `score`: rows the question selector scores (its pass over the early layers' keys), else 0;
 - `overhead`: 1 per request.
@@ -30,7 +35,7 @@ from scipy import optimize, stats
 from ridgefill.flops import layer_flops, speedup_bound
 from ridgefill.rows import RowPolicy
 
-FEATURES = ("dense", "protected", "bulk", "score", "overhead")
+FEATURES = ("dense", "protected", "protected_attention", "bulk", "score", "overhead")
 TARGET = 0.03  # each ratio's 95% CI half-width, relative
 MAX_ROUNDS = 12
 
@@ -59,9 +64,11 @@ EXACT = Point(None)
 def features(shape, n: int, point: Point) -> np.ndarray:
     """The row-class amounts (FEATURES) of one n-token prompt under `point` on a model of `shape`."""
     full, bulk_map, bulk_split = layer_flops(shape, ctx=n / 2)
+    linear = layer_flops(shape, ctx=0)[0]  # a full row but its attention
+    attention = layer_flops(shape, ctx=n)[0] - linear  # one row's attention over all n keys
     layers = shape.num_hidden_layers
     if point.split is None:
-        return np.array([n * layers * full, 0.0, 0.0, 0.0, 1.0])
+        return np.array([n * layers * full, 0.0, 0.0, 0.0, 0.0, 1.0])
     s, rows = point.split, point.rows
     late = layers - s
     protected = rows.protected(n)
@@ -69,7 +76,7 @@ def features(shape, n: int, point: Point) -> np.ndarray:
     score = float(n) if rows.by_question and protected < n else 0.0
     if protected >= n:  # a prompt no longer than its protected rows runs stock
         return features(shape, n, EXACT)
-    return np.array([n * s * full, protected * late * full, bulk, score, 1.0])
+    return np.array([n * s * full, protected * late * linear, protected * late * attention, bulk, score, 1.0])
 
 
 def bound(shape, n: int, point: Point) -> float:
@@ -244,7 +251,9 @@ def from_rate(shape, rate: float, engine: str, device: str, dtype: str) -> TTFTM
     """An uncalibrated model from a prefill rate (FLOP/s): every multiply-add of every class at that rate, no
     overhead. What `ridgefill tune --plan` estimates with before any calibration has run."""
     per = 2.0 / rate  # layer_flops counts multiply-adds
-    return TTFTModel(engine, device, dtype, shape, (per, per, per, 0.0, 0.0), (), {"source": "rates (uncalibrated)"})
+    return TTFTModel(
+        engine, device, dtype, shape, (per, per, per, per, 0.0, 0.0), (), {"source": "rates (uncalibrated)"}
+    )
 
 
 def checked(model: TTFTModel) -> TTFTModel:
