@@ -8,6 +8,10 @@ model's prediction. Prints a markdown table and writes JSON with every point.
 
     python bench/ttft_calibration.py studies/smollm2-135m.yaml --engine transformers --length 2048 --length 4096
     python bench/ttft_calibration.py studies/smollm2-135m.yaml --engine vllm --length 2048 --out r/cal_vllm
+    python bench/ttft_calibration.py studies/smollm2-135m.yaml --refit r/cal_vllm.json   # the same timings, refitted
+
+`--refit` times nothing: it fits the current TTFT model to the timings an earlier run wrote (its calibration
+points), and predicts its held-out points again, so a change to the model is judged on the same measurements.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -23,7 +28,7 @@ from ridgefill.capture import CaptureOptions
 from ridgefill.cost import Shape
 from ridgefill.steps import CalibrationText, load_model, model_path, run_capture
 from ridgefill.study import load_study
-from ridgefill.ttft_model import CalibrationError, Point, bound, checked, conditions, fit
+from ridgefill.ttft_model import CalibrationError, Point, Ratio, bound, checked, conditions, fit
 
 
 def heldout_points(cfg, k: int, seed: int) -> list[Point]:
@@ -39,6 +44,36 @@ def heldout_points(cfg, k: int, seed: int) -> list[Point]:
     return out
 
 
+def parsed(row: dict, rows) -> tuple[Ratio, bool]:
+    """A timed point of an earlier run's JSON (its label, `Point.label`) as a Ratio; True for a held-out one."""
+    m = re.search(r"S=(\d+) tail (\d+) share ([\d.]+)", row["point"])
+    point = Point(int(m[1]), rows.given(tail=int(m[2]), share=float(m[3])))
+    r = row["measured"]
+    return Ratio(point, row["length"], r, row["lo"], row["hi"], row["rounds"], row["exact_s"], row["exact_s"] / r), (
+        row["point"].startswith("held-out")
+    )
+
+
+def refit(cfg, path: Path) -> None:
+    """The current model fitted to an earlier run's calibration points; its error there and at the held-out ones."""
+    blob = json.loads(path.read_text())
+    timed = [parsed(r, objectives.search_rows(cfg)) for r in blob["rows"]]
+    shape = Shape(**blob["shape"])
+    model = fit(shape, [r for r, held in timed if not held], blob["engine"], blob["device"], blob["dtype"])
+    coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
+    print(f"refit of {path.name} ({blob['engine']}); coefficients (s per unit): {coef}")
+    table([(("held-out " if held else "") + r.point.label(), r, model.ratio(r.length, r.point), shape)
+           for r, held in timed])  # fmt: skip
+
+
+def table(rows: list[tuple[str, Ratio, float, object]]) -> None:
+    print("| point | tokens | measured [95% CI] | rounds | predicted | error | FLOP bound | exact s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, m, pred, shape in rows:
+        print(f"| {label} | {m.length} | {m.ratio:.3f} [{m.lo:.3f}, {m.hi:.3f}] | {m.rounds} | {pred:.3f} | "
+              f"{pred / m.ratio - 1:+.1%} | {bound(shape, m.length, m.point):.3f} | {m.exact_s:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", type=Path)
@@ -49,12 +84,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--work", type=Path, default=Path("/tmp/ridgefill-ttft-calibration"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--refit", type=Path, help="an earlier run's JSON: refit its timings, time nothing")
     a = ap.parse_args()
     ttft = {"lengths": a.length} if a.length else {}
     if a.max_repeats:
         ttft["max_repeats"] = a.max_repeats
     over = {"objectives": {"ttft": ttft}} | ({"engine": a.engine} if a.engine else {})
     cfg = load_study(a.study, over)
+    if a.refit:
+        return refit(cfg, a.refit)
     if cfg.hardware.threads:
         import torch
 
@@ -97,11 +135,8 @@ def main() -> None:
     print(f"engine {cfg.engine}, lengths {cfg.objectives.ttft.lengths}, conditions {before}; {verdict}")
     coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
     print(f"calibration {cal_s:.0f} s, held-out run {held_s:.0f} s; coefficients (s per unit): {coef}")
-    print("| point | tokens | measured [95% CI] | rounds | predicted | error | FLOP bound | exact s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['point']} | {r['length']} | {r['measured']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {r['rounds']} | "
-              f"{r['predicted']:.3f} | {r['error']:+.1%} | {r['bound']:.3f} | {r['exact_s']:.2f} |")  # fmt: skip
+    table([(m.point.label(), m, model.ratio(m.length, m.point), shape) for m in model.points]
+          + [("held-out " + m.point.label(), m, model.ratio(m.length, m.point), shape) for m in measured])  # fmt: skip
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         blob = model.as_dict() | {"rows": rows, "verdict": verdict, "calibration_s": cal_s, "heldout_s": held_s}
