@@ -205,7 +205,6 @@ def _ruler_s(
     study: Study,
     shape: Shape,
     r: Rates,
-    bytes_: int,
     speedup: float,
     samples: int | None = None,
     spec=None,
@@ -225,7 +224,7 @@ def _ruler_s(
         new = sum(SPECS[t].max_new_tokens for t in ru.tasks)
         batch = n if vllm else 1
         steps = new * (1 if vllm else n)
-        dec = steps * decode_step_s(shape, r, batch, length, bytes_)
+        dec = steps * decode_step_s(shape, r, batch, length, DTYPE_BYTES[study.model.dtype])
         total += len(ru.tasks) * pre + dec
         lines.append(
             f"  {len(ru.tasks)} tasks x {n} samples @ {length}: prefill {len(ru.tasks) * pre:.1f} s, "
@@ -237,7 +236,6 @@ def _ruler_s(
 def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     """The study's estimated wall time per phase, with the arithmetic as printable lines."""
     e = Estimate(trials=study.budget.trials, parallel=study.budget.parallel)
-    b = DTYPE_BYTES[study.model.dtype]
     L, d = shape.num_hidden_layers, shape.hidden_size
     cal, s, ru, tt = study.calibration, study.search, study.objectives.ruler, study.objectives.ttft
     say = e.lines.append
@@ -269,7 +267,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     )
 
     base_start = r.start(study.engine)
-    exact, lines = _ruler_s(study, shape, r, b, 1.0, ru.most)
+    exact, lines = _ruler_s(study, shape, r, 1.0, ru.most)
     e.phases["exact baseline"] = base_start + exact
     say(f"exact baseline (RULER, once per study): {base_start + exact:.1f} s")
     e.lines += lines
@@ -288,7 +286,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         f"held-out check ({held} windows) {heldout:.1f} s"
     )
     e.trial["engine start"] = base_start
-    ruler, lines = _ruler_s(study, shape, r, b, worst)
+    ruler, lines = _ruler_s(study, shape, r, worst)
     e.trial["RULER"] = ruler
     say(
         f"trial RULER at >= {worst:.2f}x fewer prefill FLOPs (S={min(s.splits)}, tail {max(s.tails)}, "
@@ -297,7 +295,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     e.lines += lines
     if ru.promote:  # multi-fidelity: the decision walked for a promoted trial (PROMOTED_SHARE of them)
         extra = walk(ru.samples, ru.promote, True, not tt.per_trial).scored[1:]
-        more, lines = _ruler_s(study, shape, r, b, worst, sum(extra))
+        more, lines = _ruler_s(study, shape, r, worst, sum(extra))
         e.trial["RULER promoted"] = PROMOTED_SHARE * more
         say(
             f"trial RULER, promoted (assumed: {PROMOTED_SHARE:.0%} of trials, those near the front; on the "
@@ -325,7 +323,7 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
         from ridgefill.objectives import serving_engine
 
         served = serving_engine(study)  # certified as it is served
-        cert, lines = _ruler_s(study, shape, r, b, 1.0, spec=study.certify.ruler(), engine=served)
+        cert, lines = _ruler_s(study, shape, r, 1.0, spec=study.certify.ruler(), engine=served)
         e.phases["certification"] = 2 * (r.start(served) + cert)
         say(f"certification (exact + the chosen map, {served}): 2 x {r.start(served) + cert:.1f} s")
         e.lines += lines
