@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from ridgefill.capture import CaptureOptions
 from ridgefill.cost import Shape
 from ridgefill.steps import CalibrationText, load_model, model_path, run_capture
 from ridgefill.study import load_study
-from ridgefill.ttft_model import CalibrationError, Point, Ratio, bound, checked, conditions, fit
+from ridgefill.ttft_model import CalibrationError, Point, Ratio, checked, conditions, fit
 
 
 def heldout_points(cfg, k: int, seed: int) -> list[Point]:
@@ -56,22 +57,28 @@ def parsed(row: dict, rows) -> tuple[Ratio, bool]:
 
 def refit(cfg, path: Path) -> None:
     """The current model fitted to an earlier run's calibration points; its error there and at the held-out ones."""
-    blob = json.loads(path.read_text())
-    timed = [parsed(r, objectives.search_rows(cfg)) for r in blob["rows"]]
-    shape = Shape(**blob["shape"])
+    try:
+        blob = json.loads(path.read_text())
+        timed = [parsed(r, objectives.search_rows(cfg)) for r in blob["rows"]]
+        shape = Shape(**blob["shape"])
+    except (OSError, ValueError, KeyError, TypeError) as e:  # one line, exit 2: a bad input, not a crash
+        print(f"error: --refit {path}: not a JSON this script wrote with --out ({e!r})", file=sys.stderr)
+        raise SystemExit(2) from None
     model = fit(shape, [r for r, held in timed if not held], blob["engine"], blob["device"], blob["dtype"])
-    coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
-    print(f"refit of {path.name} ({blob['engine']}); coefficients (s per unit): {coef}")
-    table([(("held-out " if held else "") + r.point.label(), r, model.ratio(r.length, r.point), shape)
-           for r, held in timed])  # fmt: skip
+    print(f"refit of {path.name} ({blob['engine']}); coefficients (s per unit): {coefficients(model)}")
+    table([model.row(r, "held-out" if held else "") for r, held in timed])
 
 
-def table(rows: list[tuple[str, Ratio, float, object]]) -> None:
+def coefficients(model) -> str:
+    return ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
+
+
+def table(rows: list[dict]) -> None:
     print("| point | tokens | measured [95% CI] | rounds | predicted | error | FLOP bound | exact s |")
     print("|---|---|---|---|---|---|---|---|")
-    for label, m, pred, shape in rows:
-        print(f"| {label} | {m.length} | {m.ratio:.3f} [{m.lo:.3f}, {m.hi:.3f}] | {m.rounds} | {pred:.3f} | "
-              f"{pred / m.ratio - 1:+.1%} | {bound(shape, m.length, m.point):.3f} | {m.exact_s:.2f} |")  # fmt: skip
+    for r in rows:
+        print(f"| {r['point']} | {r['length']} | {r['measured']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] | {r['rounds']} | "
+              f"{r['predicted']:.3f} | {r['error']:+.1%} | {r['bound']:.3f} | {r['exact_s']:.2f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -124,19 +131,10 @@ def main() -> None:
     t1 = time.perf_counter()
     measured = objectives.time_points(lm, maps, held, cfg, cfg.engine)
     held_s = time.perf_counter() - t1
-    rows = model.table()
-    for m in measured:
-        pred = model.ratio(m.length, m.point)
-        rows.append({
-            "point": "held-out " + m.point.label(), "length": m.length, "measured": m.ratio, "lo": m.lo, "hi": m.hi,
-            "rounds": m.rounds, "predicted": pred, "error": pred / m.ratio - 1,
-            "bound": bound(shape, m.length, m.point), "exact_s": m.exact_s,
-        })  # fmt: skip
+    rows = model.table() + [model.row(m, "held-out") for m in measured]
     print(f"engine {cfg.engine}, lengths {cfg.objectives.ttft.lengths}, conditions {before}; {verdict}")
-    coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
-    print(f"calibration {cal_s:.0f} s, held-out run {held_s:.0f} s; coefficients (s per unit): {coef}")
-    table([(m.point.label(), m, model.ratio(m.length, m.point), shape) for m in model.points]
-          + [("held-out " + m.point.label(), m, model.ratio(m.length, m.point), shape) for m in measured])  # fmt: skip
+    print(f"calibration {cal_s:.0f} s, held-out run {held_s:.0f} s; coefficients (s per unit): {coefficients(model)}")
+    table(rows)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         blob = model.as_dict() | {"rows": rows, "verdict": verdict, "calibration_s": cal_s, "heldout_s": held_s}

@@ -46,6 +46,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from ridgefill import certify, cost, objectives, report, search, settings  # noqa: E402
+from ridgefill.engines import serving_engine  # noqa: E402
 from ridgefill.inputs import model_config  # noqa: E402
 from ridgefill.results import Recorder, StudyRun, default_db, default_work  # noqa: E402
 from ridgefill.steps import ModelRef, Weights  # noqa: E402
@@ -265,8 +266,7 @@ def certify_chosen(rec: Recorder, run: Run, base: Baseline, found: Searched, sta
         stage.log.warning("study %s has no certify section: its chosen map is not certified", cfg.name)
         return None
     spec = cfg.certify.ruler()
-    engine = objectives.serving_engine(cfg)  # where the map is certified: as it is served
-    exact = exact_ruler(run.weights.fingerprint, run.model, spec.model_dump(), base.cert_inputs, engine)
+    exact = exact_ruler(run.weights.fingerprint, run.model, spec.model_dump(), base.cert_inputs, serving_engine(cfg))
     trial = next(t for t in found.ostudy.get_trials(deepcopy=False) if t.number == best.chosen)
     return certify_map(rec, cfg.name, trial, run.model, base.cert_inputs, exact, cfg)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from ridgefill.engines import ENGINES
+from ridgefill.engines import ENGINES, serving_engine
 from ridgefill.study import Certify, Study
 
 if TYPE_CHECKING:
@@ -163,22 +163,14 @@ def gate(recorder, cert: dict, publish: Callable[[], T], logger: logging.Logger 
 def certify_trial(recorder, study: str, trial, m: ModelRef, inputs_sha: str, exact: dict, cfg: Study) -> dict:
     """A study's chosen trial on its `certify` benchmark, paired against `exact` (that benchmark's exact run on
     the same engine): its certificate, for `gate` to record. It runs on the serving engine (vLLM when installed,
-    `objectives.serving_engine`), whatever engine the trials used: what ships is judged as it is served, and a
+    `engines.serving_engine`), whatever engine the trials used: what ships is judged as it is served, and a
     batch per task x length affords the samples a CI needs. One already recorded for the same map, settings,
     inputs and limit is reused, so a rerun does not pay for it again."""
     import time
 
     from ridgefill.evals.ruler import load_haystack
     from ridgefill.maps import sha256_file
-    from ridgefill.objectives import (
-        VllmJob,
-        certified_ttft,
-        plan_for,
-        ruler_result,
-        run_ruler_plan,
-        run_vllm_job,
-        serving_engine,
-    )
+    from ridgefill.objectives import VllmJob, certified_ttft, plan_for, ruler_result, run_ruler_plan, run_vllm_job
     from ridgefill.search import Params, params_of
 
     model, tokenizer = m.load()
@@ -189,7 +181,8 @@ def certify_trial(recorder, study: str, trial, m: ModelRef, inputs_sha: str, exa
     if (old := recorder.certified(study, trial.number)) is not None and old.get("key") == key:
         return old
     t0 = time.time()
-    plan = plan_for(Params.of(params_of(trial)), mp, model, tokenizer)
+    params = Params.of(params_of(trial))
+    plan = plan_for(params, mp, model, tokenizer)
     if ENGINES[engine].serving:  # as served: one engine, a batch per task x length
         run = ruler_result(run_vllm_job(VllmJob.of(model, cfg.model.dtype, plan).scoring(spec.ruler()))["ruler"])
     else:
@@ -198,7 +191,6 @@ def certify_trial(recorder, study: str, trial, m: ModelRef, inputs_sha: str, exa
     hay = haystack_label(spec.haystack, words)
     cert = certificate(study, trial.number, spec, drop, run["samples"], exact["samples"], hay)
     cert |= {"engine": engine, "key": key, "seconds": 0.0}
-    params = Params.of(params_of(trial))
     ttft = certified_ttft(model, tokenizer, params, mp, cfg, trial.user_attrs.get("speedup_predicted"))
     cert["seconds"] = time.time() - t0
     return with_ttft(cert, ttft)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ridgefill.capture import stats_bytes
 from ridgefill.decision import decide
-from ridgefill.engines import ENGINES
+from ridgefill.engines import ENGINES, serving_engine
 from ridgefill.evals.ruler import SPECS
 from ridgefill.flops import layer_flops, speedup_bound
 from ridgefill.study import Study
@@ -320,8 +320,6 @@ def estimate(study: Study, shape: Shape, r: Rates) -> Estimate:
     else:
         _calibration(study, shape, r, e)
     if study.certify is not None:  # the exact side (once per weights) and the chosen map, at exact's cost (a bound)
-        from ridgefill.objectives import serving_engine
-
         served = serving_engine(study)  # certified as it is served
         cert, lines = _ruler_s(study, shape, r, 1.0, spec=study.certify.ruler(), engine=served)
         e.phases["certification"] = 2 * (r.start(served) + cert)
@@ -370,7 +368,7 @@ def _calibration(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
 def _certified_ttft(study: Study, shape: Shape, r: Rates, e: Estimate) -> None:
     """The chosen map's certified TTFT on the serving engine: up to `max_repeats` paired rounds (+ warm-up), the
     map's time from the same TTFT model at the search space's centre."""
-    from ridgefill.objectives import calibration_points, serving_engine
+    from ridgefill.objectives import calibration_points
 
     tt, engine = study.objectives.ttft, serving_engine(study)
     model = _timing_model(study, shape, r, engine)

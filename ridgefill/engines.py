@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,17 @@ class Engine:
 
 
 ENGINES = {"transformers": Engine("transformers", False, "transformers"), "vllm": Engine("vllm", True, "vllm")}
-SERVING = ENGINES["vllm"]  # the engine users serve on, where a certified TTFT is measured when installed
+SERVING = ENGINES["vllm"]  # the engine users serve on, where a chosen map is certified when installed
+
+
+class Named(Protocol):
+    engine: str  # a study's engine
+
+
+def serving_engine(study: Named) -> str:
+    """Where a chosen map is certified (RULER and TTFT): vLLM, the engine users serve on, when it is installed;
+    else the study's own. What ships is judged as it is served, whatever engine the trials used."""
+    return SERVING.name if SERVING.installed else study.engine
 
 
 def engine(name: str) -> Engine:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ridgefill.decision import Gate, sample_rows
-from ridgefill.engines import ENGINES, SERVING, engine
+from ridgefill.engines import ENGINES, engine, serving_engine
 from ridgefill.study import Ruler, Study
 
 if TYPE_CHECKING:
@@ -407,11 +407,6 @@ def predicted(ttft_model, params: Params, lengths: Sequence[int]) -> Timing:
     rows += [("ttft", "trial", "speedup_bound", int(n), "all", v, 0) for n, v in bounds.items()]
     up = geomean(list(ups.values()))
     return Timing(up, rows, measured=False, predicted=up, flop_bound=geomean(list(bounds.values())))
-
-
-def serving_engine(cfg: Study) -> str:
-    """Where a certified TTFT is measured: vLLM, the engine users serve on, when it is installed; else the study's."""
-    return SERVING.name if SERVING.installed else cfg.engine
 
 
 def certified_ttft(model, tokenizer, params: Params, map_path: str, cfg: Study, predicted: float | None) -> dict:

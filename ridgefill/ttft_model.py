@@ -200,15 +200,16 @@ class TTFTModel:
 
     def table(self) -> list[dict]:
         """One row per calibration point: measured ratio and CI, rounds, prediction, error and FLOP bound."""
-        rows = []
-        for m in self.points:
-            pred = self.ratio(m.length, m.point)
-            rows.append({
-                "point": m.point.label(), "length": m.length, "measured": m.ratio, "lo": m.lo, "hi": m.hi,
-                "rounds": m.rounds, "predicted": pred, "error": pred / m.ratio - 1,
-                "bound": bound(self.shape, m.length, m.point), "exact_s": m.exact_s,
-            })  # fmt: skip
-        return rows
+        return [self.row(m) for m in self.points]
+
+    def row(self, m: Ratio, label: str = "") -> dict:
+        """A measured point against this model's prediction (`label` before the point's own, e.g. "held-out")."""
+        pred = self.ratio(m.length, m.point)
+        return {
+            "point": " ".join(filter(None, (label, m.point.label()))), "length": m.length, "measured": m.ratio,
+            "lo": m.lo, "hi": m.hi, "rounds": m.rounds, "predicted": pred, "error": pred / m.ratio - 1,
+            "bound": bound(self.shape, m.length, m.point), "exact_s": m.exact_s,
+        }  # fmt: skip
 
     def as_dict(self) -> dict:
         return {
