@@ -20,7 +20,10 @@ Calibration measures exact and each corner paired and alternating (one round = e
 TTFT length, until each ratio's 95% CI half-width is at most `target` or `max_rounds` is reached. Each corner's
 time is taken as exact's median divided by its paired ratio, so drift between rounds (and between the engines
 of a vLLM calibration, one per split) cancels.
-The coefficients are a non-negative least-squares fit (`scipy.optimize.nnls`) of relative error.
+The coefficients are a non-negative least-squares fit (`scipy.optimize.nnls`) of relative error, each point
+weighted by the inverse of its CI half-width: a corner timed noisily (at 2K on two busy cores one CI spanned
++-17%) would otherwise pull a coefficient as hard as a tight one (the transformers 2K held-out config missed by
+7.4% unweighted, 4.4% weighted on the same timings: docs/BENCHMARKS.md 12h).
 """
 
 from __future__ import annotations
@@ -223,7 +226,8 @@ def fit(
     shape, ratios: Sequence[Ratio], engine: str, device: str, dtype: str, conditions: dict | None = None
 ) -> TTFTModel:
     """Non-negative least squares on relative error over every calibration point (each point's time, and
-    exact's at each length); raises CalibrationError when a measured ratio breaks its FLOP bound."""
+    exact's at each length), weighted by 1 / each point's CI half-width (exact's: its length's tightest);
+    raises CalibrationError when a measured ratio breaks its FLOP bound."""
     for m in ratios:
         b = bound(shape, m.length, m.point)
         if above(m.lo, b):
@@ -231,19 +235,22 @@ def fit(
                 f"{m.point.label()} at {m.length} tokens measured {m.ratio:.3f}x [{m.lo:.3f}, {m.hi:.3f}], above its "
                 f"FLOP bound {b:.3f}x: the timing is wrong (another load on the machine?); rerun the calibration"
             )
-    rows, times, exact = [], [], {}
+    rows, times, spread, exact = [], [], [], {}
     for n in sorted({m.length for m in ratios}):  # one exact time per length: the runs' (one per vLLM engine) mean
         exact[n] = float(np.exp(np.mean(np.log(sorted({m.exact_s for m in ratios if m.length == n})))))
         rows.append(features(shape, n, EXACT))
         times.append(exact[n])
+        spread.append(min(m.half_width for m in ratios if m.length == n))
     for m in ratios:  # each point as its paired ratio says, against that common exact time
         rows.append(features(shape, m.length, m.point))
         times.append(exact[m.length] / m.ratio)
+        spread.append(m.half_width)
     a, t = np.array(rows), np.array(times)
+    sigma = np.maximum(np.array(spread), 1e-3)  # a noise-free (synthetic) timing: equal weights
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
-    w = (a / scale) / t[:, None]  # relative error: each row divided by its own time
-    coef, _ = optimize.nnls(w, np.ones(len(t)))
+    w = (a / scale) / (t * sigma)[:, None]  # relative error over its CI: each row divided by time and half-width
+    coef, _ = optimize.nnls(w, 1.0 / sigma)
     return TTFTModel(engine, device, dtype, shape, tuple(float(c) for c in coef / scale), tuple(ratios),
                      conditions or {})  # fmt: skip
 

@@ -62,6 +62,24 @@ def test_the_fit_recovers_known_costs_from_synthetic_timings():
     assert all(abs(r["error"]) < 0.01 for r in model.table())
 
 
+def test_a_noisy_point_pulls_the_fit_by_its_own_weight():
+    """One corner timed 15% slow with a CI of +-20% (a busy machine) beside tight ones: weighted by its CI it
+    moves the predictions at held-out configs by under 2%; counted as tight it would move them by more."""
+    clean = measure(noisy_timer(0.0, 0), points(), [2048], min_rounds=2, max_rounds=2, warmup=0)
+    off = Point(15, ROWS_Q.given(tail=256, share=0.25))
+    bad = [Ratio(m.point, m.length, m.ratio / 1.15, m.ratio / 1.15 * 0.8, m.ratio / 1.15 * 1.2, 6, m.exact_s,
+                 m.point_s * 1.15) if m.point == off else m for m in clean]  # fmt: skip
+    tight = [Ratio(m.point, m.length, m.ratio, m.ratio * 0.99, m.ratio * 1.01, 6, m.exact_s, m.point_s) for m in bad]
+    held = (Point(15, ROWS_Q.given(tail=64, share=0.2)), Point(20, ROWS_Q.given(tail=128, share=0.1)))
+
+    def worst(ratios: list[Ratio]) -> float:
+        model = fit(SMOL, ratios, "fake", "cpu", "float32")
+        truth = [true_seconds(2048, EXACT) / true_seconds(2048, p) for p in held]
+        return max(abs(model.ratio(2048, p) / t - 1) for p, t in zip(held, truth, strict=True))
+
+    assert worst(bad) < 0.02 < worst(tight)
+
+
 def _trials(speed) -> list:
     """Eight trials over the search space with fixed RULER deltas; their speed-up from `speed(params)`."""
     grid = [(15, 256, 0.25, -14.0), (15, 64, 0.05, -30.0), (18, 256, 0.15, -6.0), (18, 128, 0.20, -9.0),
