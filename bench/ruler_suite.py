@@ -44,14 +44,23 @@ from ridgefill.steps import load_model
 
 PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
 NEEDLE_FREE = ("cwe", "fwe")  # no needle: no filled-region score
+NAMED_HAYSTACKS = ("pydoc", "prose")  # offline sources (`ridgefill.corpus`); anything else is a folder
 
 
-def haystack_files(folder: Path) -> list[Path]:
-    """The evaluation half of a folder: files sorting in the second half by name (the first is for fits)."""
+def haystack_files(folder: Path, half: str = "evaluation") -> list[Path]:
+    """One half of a folder by name: the second ("evaluation", the default; the first is for fits) or the first
+    ("calibration": a report set for a map fitted on other text, when the second half chose settings)."""
     files = sorted(folder.glob("*.txt"))
     if len(files) < 2:
         raise SystemExit(f"error: {folder} holds fewer than two .txt files; give a folder of essays or omit it")
-    return files[len(files) // 2 :]
+    return files[len(files) // 2 :] if half == "evaluation" else files[: len(files) // 2]
+
+
+def haystack_source(args) -> str | list[str]:
+    """What `--haystack` names: a named offline source (pydoc, the default, or prose) or one half of a folder."""
+    if args.haystack in NAMED_HAYSTACKS:
+        return args.haystack
+    return [str(f) for f in haystack_files(Path(args.haystack), args.half)]
 
 
 def make_plans(args, model, tok) -> dict[str, FillPlan]:
@@ -114,7 +123,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--maps", type=Path, required=True, help="ridge map folder (its split is used for identity)")
-    ap.add_argument("--haystack", type=Path, help="essay folder (its second half is used); default pydoc")
+    ap.add_argument(
+        "--haystack", default="pydoc", help="pydoc (default), prose, or a folder of essays (one half: --half)"
+    )
+    ap.add_argument(
+        "--half", choices=("evaluation", "calibration"), default="evaluation",
+        help="which half of a --haystack folder by file name: the second (evaluation) or the first (calibration)",
+    )  # fmt: skip
     ap.add_argument("--length", type=int, action="append", help="repeatable, with --samples in the same order")
     ap.add_argument("--samples", type=int, action="append", help="samples per task at each --length")
     ap.add_argument("--tasks", nargs="+", default=[t for t in TASKS if not t.startswith("qa")])
@@ -169,8 +184,8 @@ def main() -> None:
     args.grid = selector_grid(args.grid)  # a bad --grid is refused before the model loads
     if not args.maps.is_dir():
         raise SystemExit(f"error: --maps {args.maps} is not a map folder; write one with `ridgefill fit`")
-    if args.haystack is not None and not args.haystack.is_dir():
-        raise SystemExit(f"error: --haystack {args.haystack} is not a folder of .txt files; omit it for pydoc")
+    if args.haystack not in NAMED_HAYSTACKS and not Path(args.haystack).is_dir():
+        raise SystemExit(f"error: --haystack {args.haystack} is neither pydoc, prose nor a folder of .txt files")
 
     model, tok = load_model(args.model)
     if args.coverage:
@@ -184,7 +199,7 @@ def main() -> None:
     if args.engine == "vllm" and "identity" in plans:
         raise SystemExit("error: identity fill has no map folder for vLLM; score it with --engine transformers")
     if not args.report_only:
-        hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
+        hay = load_haystack(haystack_source(args))
         if args.engine == "vllm":
             run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path)
         else:
@@ -247,7 +262,7 @@ def run_vllm(args, model, tok, plans, hay, lengths, counts, rows, rows_path) -> 
     from ridgefill.objectives import VllmJob, run_vllm_job
     from ridgefill.study import Ruler
 
-    files = [str(f) for f in haystack_files(args.haystack)] if args.haystack else "pydoc"
+    files = haystack_source(args)
     ttft_path = out_file(args.out, ".ttft.jsonl")
     for length, n in zip(lengths, counts, strict=True):
         batches = task_batches(args, tok, hay, length, n)
@@ -303,7 +318,7 @@ def selector_grid(specs: list[str]) -> list[tuple]:
 def coverage(args, model, tok, lengths, counts) -> None:
     """Share of needle rows each selector protects at `--share` (one early pass per prompt, no decoding)."""
     maps, ad = load_maps(args.maps, model, tok), adapter_for(model)
-    hay = load_haystack(haystack_files(args.haystack)) if args.haystack else load_haystack("pydoc")
+    hay = load_haystack(haystack_source(args))
     tasks = [t for t in args.tasks if t not in NEEDLE_FREE]
     grid = args.grid
     rows_path = out_file(args.out, ".coverage.jsonl")
