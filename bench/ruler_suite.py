@@ -82,9 +82,11 @@ def make_plans(args, model, tok) -> dict[str, FillPlan]:
 
 def plan_config(plan: FillPlan, engine: str = "transformers") -> dict:
     """What identifies a plan's rows in OUT.jsonl (vLLM rows are paired only with vLLM's exact rows)."""
-    keys = ("mode", "split", "sink", "tail", "share", "select", "query", "window", "score_layers")
-    reach = {"reach": plan.rows.reach} if plan.rows.reach else {}  # rows scored before reach existed stay paired
-    return {k: getattr(plan, k) for k in keys} | reach | ({"engine": engine} if engine != "transformers" else {})
+    r = plan.rows
+    cfg = {"mode": plan.mode, "split": plan.split, "sink": r.sink, "tail": r.tail, "share": r.share, "select": r.select,
+           "query": r.query, "window": r.window, "score_layers": r.score_layers}  # fmt: skip
+    reach = {"reach": r.reach} if r.reach else {}  # rows scored before reach existed stay paired
+    return cfg | reach | ({"engine": engine} if engine != "transformers" else {})
 
 
 def out_file(stem: Path, ext: str) -> Path:
