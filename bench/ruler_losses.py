@@ -7,19 +7,25 @@ Reads a `bench/ruler_suite.py` run (OUT.json: its paired samples) and its `--cov
 - per task: needles in filled rows, needles kept whole, needle rows kept, and each loss split by whether every
   needle of that prompt was whole.
 
-    python bench/ruler_losses.py bench/results/ruler27/report_prose --window 8 --reach 16
+    python bench/ruler_losses.py bench/results/ruler27/report_prose
+
+The coverage rows read are those of the plan's own selector settings (share, tail, query, window, layers,
+reach), taken from its samples, so a coverage file holding several settings is read at the run's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from ridgefill.evals.paired import paired_summary
+from ridgefill.evals.ruler import SPECS
 
-HAYSTACK_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery")
+HAYSTACK_TASKS = tuple(t for t, spec in SPECS.items() if spec.args.get("type_haystack") == "essay")
+SELECTOR = ("select", "query", "window", "score_layers", "reach", "share", "tail")  # what picks the rows
 
 
 def essay_delta(samples: list[dict], plan: str) -> dict:
@@ -52,18 +58,25 @@ def losses(samples: list[dict], coverage: list[dict], plan: str, length: int) ->
     return out
 
 
+def selector(row: dict) -> tuple:
+    """The settings that chose a row's protected rows (a coverage row, or a sample's plan config)."""
+    return tuple(row.get(k, 0) for k in SELECTOR)  # reach is left out of configs scored before it existed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="the suite's OUT stem (OUT.json and OUT.coverage.jsonl)")
     ap.add_argument("--plan", default="ridge+question")
-    ap.add_argument("--window", type=int, default=8, help="the coverage grid row to read (the run's own settings)")
-    ap.add_argument("--reach", type=int, default=16)
     a = ap.parse_args()
-    samples = json.loads(a.out.with_name(a.out.name + ".json").read_text())["samples"]
-    coverage = [
-        r for r in map(json.loads, a.out.with_name(a.out.name + ".coverage.jsonl").read_text().splitlines())
-        if r["select"] == "question" and (r["window"], r.get("reach", 0)) == (a.window, a.reach)
-    ]  # fmt: skip
+    try:
+        samples = json.loads(a.out.with_name(a.out.name + ".json").read_text())["samples"]
+        lines = a.out.with_name(a.out.name + ".coverage.jsonl").read_text().splitlines()
+        settings = selector(next(r["config"] for r in samples if r["plan"] == a.plan))
+    except (OSError, ValueError, KeyError, StopIteration) as e:  # one line, exit 2: a bad input, not a crash
+        print(f"error: {a.out}: needs the suite's OUT.json with {a.plan} samples and its --coverage run's "
+              f"OUT.coverage.jsonl ({e!r})", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+    coverage = [r for r in map(json.loads, lines) if selector(r) == settings]
     for length, o in essay_delta(samples, a.plan).items():
         d = o["delta"]
         print(f"{length}: haystack tasks {o['score']:.1f} (exact {o['reference']:.1f}), delta {d}, n={d.n}")

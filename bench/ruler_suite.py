@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ridgefill.adapters import adapter_for
+from ridgefill.corpus import NAMED  # offline sources by name; any other --haystack is a folder
 from ridgefill.evals.paired import paired_summary, region_breakdown
 from ridgefill.evals.ruler import TASKS, TaskUnavailable, load_haystack, make_samples, region_of, sample_score
 from ridgefill.flops import speedup_bound
@@ -44,7 +45,6 @@ from ridgefill.steps import load_model
 
 PLANS = ("exact", "identity", "ridge", "ridge+rarity", "ridge+question", "ridge+random")
 NEEDLE_FREE = ("cwe", "fwe")  # no needle: no filled-region score
-NAMED_HAYSTACKS = ("pydoc", "prose")  # offline sources (`ridgefill.corpus`); anything else is a folder
 
 
 def haystack_files(folder: Path, half: str = "evaluation") -> list[Path]:
@@ -58,7 +58,7 @@ def haystack_files(folder: Path, half: str = "evaluation") -> list[Path]:
 
 def haystack_source(args) -> str | list[str]:
     """What `--haystack` names: a named offline source (pydoc, the default, or prose) or one half of a folder."""
-    if args.haystack in NAMED_HAYSTACKS:
+    if args.haystack in NAMED:
         return args.haystack
     return [str(f) for f in haystack_files(Path(args.haystack), args.half)]
 
@@ -186,7 +186,7 @@ def main() -> None:
     args.grid = selector_grid(args.grid)  # a bad --grid is refused before the model loads
     if not args.maps.is_dir():
         raise SystemExit(f"error: --maps {args.maps} is not a map folder; write one with `ridgefill fit`")
-    if args.haystack not in NAMED_HAYSTACKS and not Path(args.haystack).is_dir():
+    if args.haystack not in NAMED and not Path(args.haystack).is_dir():
         raise SystemExit(f"error: --haystack {args.haystack} is neither pydoc, prose nor a folder of .txt files")
 
     model, tok = load_model(args.model)

@@ -70,6 +70,7 @@ def refit(cfg, path: Path) -> None:
 
 
 def coefficients(model) -> str:
+    """The fitted coefficients, one "feature value" per row class, for the printed header."""
     return ", ".join(f"{k} {v:.3g}" for k, v in zip(model.as_dict()["features"], model.coef, strict=True))
 
 
